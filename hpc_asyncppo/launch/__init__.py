@@ -1,0 +1,1 @@
+"""How ranks get started: local (mpirun) and Slurm (one heterogeneous job) backends."""

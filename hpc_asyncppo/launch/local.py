@@ -1,0 +1,94 @@
+"""Local backend: every rank on this machine under ``mpirun`` (no Slurm).
+
+The same per-rank entry point as under Slurm; rollout ranks are world ranks [0, R).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from hpc_asyncppo.config import Config, ConfigError
+from hpc_asyncppo.launch.progress import follow
+from hpc_asyncppo.launch.rundir import rank_errors
+
+
+def local_environment(rollout_ranks: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "HPC_ASYNCPPO_ROLLOUT_RANKS": str(rollout_ranks),
+            "OMPI_ALLOW_RUN_AS_ROOT": "1",
+            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+            # Ranks outnumber cores on a laptop: yield instead of spinning when MPI idles.
+            "OMPI_MCA_mpi_yield_when_idle": "1",
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+            "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+def mpirun_command(run_dir: Path, rollout_ranks: int, train_ranks: int) -> list[str]:
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise ConfigError(
+            "mpirun not found: install Open MPI (apt-get install openmpi-bin libopenmpi-dev)"
+        )
+    return [
+        mpirun, "-np", str(rollout_ranks + train_ranks), "--oversubscribe", "--bind-to", "none",
+        sys.executable, "-m", "hpc_asyncppo.launch.rank", str(run_dir),
+    ]  # fmt: skip
+
+
+_MPIRUN_DEATH = re.compile(
+    r"process rank (\d+) with PID (\d+) on node (\S+) exited on signal (\d+)"
+)
+
+
+def explain_failure(run_dir: Path, rollout_ranks: int, mpirun_log: str) -> list[str]:
+    """Why the job failed, one line per failed rank: its own error, or how mpirun saw it die."""
+    lines = rank_errors(run_dir)
+    for rank, pid, node, sig in _MPIRUN_DEATH.findall(mpirun_log):
+        role = "rollout" if int(rank) < rollout_ranks else "trainer"
+        name = signal.Signals(int(sig)).name if int(sig) in signal.valid_signals() else sig
+        if not any(line.startswith(f"rank {rank} ") for line in lines):
+            lines.append(
+                f"rank {rank} ({role}, {node}, pid {pid}) died: killed by signal {sig} ({name})"
+            )
+    return lines
+
+
+def run_local(cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int) -> int:
+    """Run the job under mpirun, showing progress; returns the exit code for the CLI."""
+    log_path = run_dir / "logs" / "mpirun.log"
+    cmd = mpirun_command(run_dir, rollout_ranks, train_ranks)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=local_environment(rollout_ranks)
+        )
+        try:
+            follow(run_dir, lambda: proc.poll() is None, cfg.trainer.total_steps)
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+            print("interrupted", file=sys.stderr)
+            return 130
+    if proc.returncode == 0:
+        return 0
+    print(
+        f"error: the job failed (mpirun exit code {proc.returncode}); log: {log_path}",
+        file=sys.stderr,
+    )
+    for line in explain_failure(run_dir, rollout_ranks, log_path.read_text()):
+        print(f"  {line}", file=sys.stderr)
+    return proc.returncode or 1

@@ -1,0 +1,71 @@
+"""Per-rank entry point, the same under mpirun and srun: ``python -m hpc_asyncppo.launch.rank RUN_DIR``.
+
+Each rank finds its role from its world rank (rollout ranks first), builds the topology
+and runs its role's loop. On any error it records one line in RUN_DIR/errors/rank{i}.txt
+and aborts the MPI job, so the other ranks are ended at once instead of waiting for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m hpc_asyncppo.launch.rank RUN_DIR", file=sys.stderr)
+        return 2
+    run_dir = Path(argv[0]).resolve()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from mpi4py import MPI
+
+    from hpc_asyncppo.launch.rundir import write_rank_error, write_rank_info
+    from hpc_asyncppo.launch.topology import ROLLOUT, role_of, rollout_rank_count
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    role = "unknown"
+    logging.basicConfig(
+        filename=run_dir / "logs" / f"rank{rank}.log",
+        level=logging.INFO,
+        format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s",
+    )
+    try:
+        role = role_of(rank, rollout_rank_count())
+        write_rank_info(run_dir, rank, role, "starting")
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        from hpc_asyncppo.config import load_resolved
+        from hpc_asyncppo.launch.topology import build_topology, close_topology
+
+        cfg = load_resolved(run_dir / "config.yaml")
+        topo = build_topology(rollout_rank_count(), cfg.timeouts.weight_sync_s)
+        write_rank_info(run_dir, rank, role, "running")
+        if role == ROLLOUT:
+            from hpc_asyncppo.rollout.rollouter import run_rollouter
+
+            run_rollouter(cfg, topo, run_dir)
+        else:
+            from hpc_asyncppo.trainer.trainer import run_trainer
+
+            run_trainer(cfg, topo, run_dir)
+        close_topology(topo)
+        write_rank_info(run_dir, rank, role, "done")
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - every failure must end the whole job
+        logging.getLogger(__name__).error("rank %d failed:\n%s", rank, traceback.format_exc())
+        message = f"rank {rank} ({role}, {socket.gethostname()}): {type(exc).__name__}: {exc}"
+        write_rank_error(run_dir, rank, message + "\n\n" + traceback.format_exc())
+        print(message, file=sys.stderr, flush=True)
+        write_rank_info(run_dir, rank, role, "failed")
+        MPI.COMM_WORLD.Abort(1)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

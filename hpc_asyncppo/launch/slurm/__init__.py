@@ -1,0 +1,1 @@
+"""Slurm backend: one heterogeneous job (rollout component + train component), via submitit."""

@@ -1,0 +1,51 @@
+"""Slurm options of a run (the ``slurm:`` section of the config).
+
+One heterogeneous job: component 0 holds the rollout ranks (``slurm.rollout``),
+component 1 the trainer ranks (``slurm.train``). Empty strings and zeros mean "leave it
+to the cluster" (the option is not written into the batch script). Values are checked
+in ``hpc_asyncppo.launch.slurm.checks`` (this module must not import the config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ComponentConfig:
+    partition: str = ""  # Slurm partition; empty: the cluster's default partition
+    nodes: int = 1  # nodes of this component
+    ntasks_per_node: int = 0  # ranks per node; 0: one per GPU (gpus_per_node), or 1 without GPUs
+    gpus_per_node: int = 0  # GPUs per node; 0: ask for none
+    gpu_type: str = ""  # GPU type in the request (a100 -> --gpus-per-node=a100:4); empty: any type
+    cpus_per_task: int = 0  # CPUs per rank (--cpus-per-task); 0: the partition's default
+    mem: str = ""  # memory per node (--mem), e.g. 200G; "0": all of it; empty: the partition's default
+    constraint: str = ""  # node features (--constraint), e.g. "a100&ib"; empty: none
+    extra_sbatch: list[str] = field(default_factory=list)  # more options for this component only, e.g. ["--exclusive"]
+
+    @property
+    def tasks_per_node(self) -> int:
+        """Ranks per node: as set, else one per GPU, else one."""
+        return self.ntasks_per_node or self.gpus_per_node or 1
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+@dataclass
+class SlurmConfig:
+    rollout: ComponentConfig = field(default_factory=ComponentConfig)  # component 0: rollout ranks
+    train: ComponentConfig = field(default_factory=ComponentConfig)  # component 1: trainer ranks
+    job_name: str = "hpc_asyncppo"  # job name shown by squeue
+    time: str = ""  # time limit (minutes, HH:MM:SS or D-HH:MM:SS); empty: the partition's default
+    account: str = ""  # account charged (--account); empty: your default account
+    qos: str = ""  # quality of service (--qos); empty: the default QOS
+    gpu_request: str = "gpus-per-node"  # how GPUs are asked for: gpus-per-node | gres (--gres=gpu:N)
+    mpi: str = "pmix"  # srun --mpi plugin (srun --mpi=list shows the cluster's)
+    signal: str = ""  # warning signal before the time limit (--signal), e.g. USR2@90; empty: none
+    extra_sbatch: list[str] = field(default_factory=list)  # more #SBATCH options for the whole job, e.g. ["--mail-type=END"]
+    setup: list[str] = field(default_factory=list)  # shell lines run before srun (module load, exports, venv activation)
+    srun_args: list[str] = field(default_factory=list)  # more srun options for the one het step, e.g. ["--cpu-bind=none"]
+    python: str = ""  # interpreter the ranks run; empty: the one running submit
+    run_root: str = "runs"  # where run directories are created; must be on a filesystem all nodes see

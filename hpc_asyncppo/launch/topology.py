@@ -1,0 +1,146 @@
+"""Who is who: the MPI and torch.distributed layout every rank builds at start.
+
+World ranks [0, R) are rollout ranks, [R, R+T) trainer ranks; rank R is the trainer
+leader. MPI: COMM_WORLD split by role, and an intercommunicator between the two sides
+(samples). torch.distributed over all ranks (rendezvous address sent over MPI), with two
+groups: the trainer ranks (gradient all-reduce) and {trainer leader} + rollout ranks
+(weight broadcast). The same layout under mpirun (local) and srun (one Slurm het step).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+ROLLOUT, TRAINER = "rollout", "trainer"
+
+
+@dataclass
+class Topology:
+    world_rank: int
+    world_size: int
+    rollout_ranks: int
+    role: str
+    local: MPI.Intracomm  # this role's ranks
+    inter: MPI.Intercomm  # rollout side <-> trainer side
+    trainer_group: dist.ProcessGroup | None  # gradient all-reduce (trainer ranks only)
+    sync_group: dist.ProcessGroup | None  # weight broadcast (leader + rollout ranks only)
+    device: torch.device
+
+    @property
+    def train_ranks(self) -> int:
+        return self.world_size - self.rollout_ranks
+
+    @property
+    def leader(self) -> int:
+        """World rank of the trainer leader."""
+        return self.rollout_ranks
+
+    @property
+    def is_leader(self) -> bool:
+        return self.world_rank == self.leader
+
+    @property
+    def local_rank(self) -> int:
+        return self.local.Get_rank()
+
+
+def rollout_rank_count() -> int:
+    """R, from our launcher's variable or Slurm's size of het group 0."""
+    value = os.environ.get("HPC_ASYNCPPO_ROLLOUT_RANKS") or os.environ.get(
+        "SLURM_NTASKS_HET_GROUP_0"
+    )
+    if not value:
+        raise RuntimeError(
+            "cannot tell rollout ranks from trainer ranks: set HPC_ASYNCPPO_ROLLOUT_RANKS "
+            "or run inside a Slurm heterogeneous job step"
+        )
+    return int(value)
+
+
+def role_of(world_rank: int, rollout_ranks: int) -> str:
+    return ROLLOUT if world_rank < rollout_ranks else TRAINER
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _bcast_text(world: MPI.Intracomm, text: str, root: int) -> str:
+    """Broadcast a short string as bytes (no pickle)."""
+    buf = np.zeros(256, dtype=np.uint8)
+    if world.Get_rank() == root:
+        raw = text.encode()
+        buf[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    world.Bcast([buf, MPI.BYTE], root=root)
+    return buf.tobytes().rstrip(b"\0").decode()
+
+
+def _rendezvous_host() -> str:
+    host = os.environ.get("HPC_ASYNCPPO_RENDEZVOUS_HOST")
+    if host:
+        return host
+    if os.environ.get("SLURM_JOB_ID"):
+        return socket.gethostname()
+    return "127.0.0.1"
+
+
+def build_topology(rollout_ranks: int, timeout_s: float) -> Topology:
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    if not 0 < rollout_ranks < size:
+        raise RuntimeError(
+            f"{size} ranks cannot hold {rollout_ranks} rollout ranks and >= 1 trainer rank"
+        )
+    role = role_of(rank, rollout_ranks)
+    local = world.Split(0 if role == ROLLOUT else 1, rank)
+    remote_leader = rollout_ranks if role == ROLLOUT else 0
+    inter = local.Create_intercomm(0, world, remote_leader, tag=7)
+
+    leader = rollout_ranks
+    address = _bcast_text(
+        world, f"{_rendezvous_host()}:{_free_port()}" if rank == leader else "", root=leader
+    )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{address}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    # new_group is collective over the whole world: every rank creates both groups.
+    trainer_ranks = list(range(rollout_ranks, size))
+    trainer_group = dist.new_group(trainer_ranks)
+    sync_group = dist.new_group([leader, *range(rollout_ranks)])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    return Topology(
+        world_rank=rank,
+        world_size=size,
+        rollout_ranks=rollout_ranks,
+        role=role,
+        local=local,
+        inter=inter,
+        trainer_group=trainer_group if role == TRAINER else None,
+        sync_group=sync_group if (role == ROLLOUT or rank == leader) else None,
+        device=device,
+    )
+
+
+def close_topology(topo: Topology) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    topo.inter.Free()
+    topo.local.Free()

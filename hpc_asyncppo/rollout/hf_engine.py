@@ -1,0 +1,126 @@
+"""Rollout engine on transformers: batched sampling with the sampled tokens' log-probs.
+
+Prompts are left-padded (decoder-only batching), responses right-padded after EOS. The
+log-prob of each sampled token is log_softmax(logits / temperature) at that position: the
+same quantity the trainer recomputes, so the two agree up to float error for equal weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hpc_asyncppo.config import ModelConfig, RolloutConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Generation:
+    """The n responses to one prompt. Shapes: (n, L) for ids and log-probs, (n,) for lengths."""
+
+    response_ids: np.ndarray
+    response_lengths: np.ndarray
+    log_probs: np.ndarray
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) ids and attention mask, each prompt right-aligned."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
+def response_lengths(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Tokens up to and including the first EOS, or the full width if there is none. (B, L) -> (B,)"""
+    is_eos = responses == eos_id
+    first = torch.where(is_eos.any(dim=1), is_eos.float().argmax(dim=1), responses.shape[1] - 1)
+    return first + 1
+
+
+class HFEngine:
+    def __init__(self, model: ModelConfig, rollout: RolloutConfig, device: torch.device):
+        self.cfg, self.device = rollout, device
+        self.tokenizer = AutoTokenizer.from_pretrained(model.path)
+        self.model = AutoModelForCausalLM.from_pretrained(model.path, dtype=DTYPES[model.dtype]).to(
+            device
+        )
+        self.model.eval()
+        self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: np.ndarray) -> str:
+        return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int) -> list[Generation]:
+        """Sample n responses for every prompt (token ids)."""
+        ids, mask = left_pad([p for p in prompts for _ in range(n)], self.pad_id)
+        cfg = self.cfg
+        out = self.model.generate(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            do_sample=True,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k or None,
+            max_new_tokens=cfg.response_length,
+            min_new_tokens=0,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        responses = out.sequences[:, ids.shape[1] :]
+        logits = torch.stack(out.logits, dim=1).float() / cfg.temperature  # (B, L', V)
+        log_probs = (
+            torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+        )
+        lengths = response_lengths(responses, self.eos_id)
+        width = cfg.response_length
+        valid = (
+            torch.arange(responses.shape[1], device=responses.device)[None, :] < lengths[:, None]
+        )
+        padded_ids = torch.full((responses.shape[0], width), self.pad_id, dtype=torch.int32)
+        padded_lp = torch.zeros((responses.shape[0], width), dtype=torch.float32)
+        padded_ids[:, : responses.shape[1]] = torch.where(valid, responses, self.pad_id).int().cpu()
+        padded_lp[:, : responses.shape[1]] = torch.where(valid, log_probs, 0.0).cpu()
+        return [
+            Generation(
+                response_ids=padded_ids[i * n : (i + 1) * n].numpy(),
+                response_lengths=lengths[i * n : (i + 1) * n].int().cpu().numpy(),
+                log_probs=padded_lp[i * n : (i + 1) * n].numpy(),
+            )
+            for i in range(len(prompts))
+        ]
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.model.named_parameters())
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        if set(params) != set(tensors):
+            missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+            raise ValueError(
+                f"weight sync does not match the rollout model: missing {missing[:5]}, unexpected {extra[:5]}"
+            )
+        for name, param in params.items():
+            src = tensors[name]
+            if src.shape != param.shape or src.dtype != param.dtype:
+                raise ValueError(
+                    f"weight {name}: got {tuple(src.shape)} {src.dtype}, model has {tuple(param.shape)} {param.dtype}"
+                )
+            param.copy_(src)

@@ -1,0 +1,174 @@
+"""The rollout rank's main loop.
+
+Read top to bottom: take control messages (credits, weight syncs, stop); if the trainer
+leader has granted credits, generate that many prompt groups (up to a batch) under the
+current weights, score them and send them; otherwise wait. The leader's credits are the
+whole flow and staleness control: a rank never generates what it was not granted.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hpc_asyncppo.config import Config
+from hpc_asyncppo.launch.topology import Topology
+from hpc_asyncppo.rollout.hf_engine import HFEngine
+from hpc_asyncppo.runlog import record_weight_digest
+from hpc_asyncppo.tasks import Prompt, Task, load_task
+from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleSender
+from hpc_asyncppo.transport.weights import WeightReceiver
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptCursor:
+    """This rank's walk through the prompts: each epoch a seeded shuffle, every R-th prompt.
+
+    Ranks never share a prompt within an epoch, so (seed, epoch, prompt index) is unique.
+    """
+
+    num_prompts: int
+    rank: int
+    num_ranks: int
+    seed: int
+    epoch: int = 0
+    position: int = 0
+
+    def _shard(self) -> list[int]:
+        order = list(range(self.num_prompts))
+        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order[self.rank :: self.num_ranks]
+
+    def next(self) -> tuple[int, int]:
+        """(epoch, prompt index) of the next prompt."""
+        shard = self._shard()
+        if self.position >= len(shard):
+            self.epoch, self.position = self.epoch + 1, 0
+            shard = self._shard()
+        index = shard[self.position]
+        self.position += 1
+        return self.epoch, index
+
+
+class Rollouter:
+    def __init__(self, cfg: Config, topo: Topology, run_dir: Path):
+        self.cfg, self.topo, self.run_dir = cfg, topo, run_dir
+        self.rank = topo.world_rank
+        self.task: Task = load_task(cfg.data)
+        self.prompts: list[Prompt] = list(self.task.prompts())
+        self.engine = HFEngine(cfg.model, cfg.rollout, topo.device)
+        self.cursor = PromptCursor(
+            len(self.prompts), self.rank, topo.rollout_ranks, cfg.trainer.seed
+        )
+        self.sender = SampleSender(topo.inter)
+        self.weights = WeightReceiver(topo.sync_group, src=topo.leader, device=topo.device)
+        self.version = -1  # no weights from the trainer yet
+        self.credits = 0
+        self.idle_s = 0.0
+        self.started_at = time.monotonic()
+        self._encoded: dict[int, list[int]] = {}
+
+    def run(self) -> None:
+        while True:
+            stop = self.handle_control()
+            if stop:
+                break
+            if self.credits == 0 or self.version < 0:
+                self.wait_a_moment()
+                continue
+            count = min(self.credits, self.cfg.rollout.prompts_per_generate)
+            self.credits -= count
+            for group in self.generate(count):
+                self.sender.send(group)
+        self.sender.finish(self.cfg.timeouts.rank_wait_s)
+        log.info("rollout rank %d sent %d groups", self.rank, self.sender.groups_sent)
+
+    def handle_control(self) -> bool:
+        """Apply every control message that arrived; True on STOP."""
+        for kind, value in self.sender.poll_control():
+            if kind == Control.CREDIT:
+                self.credits += value
+            elif kind == Control.SYNC:
+                self.receive_weights(expected=value)
+            elif kind == Control.STOP:
+                return True
+        return False
+
+    def receive_weights(self, expected: int) -> None:
+        start = time.monotonic()
+        version, tensors = self.weights.receive()
+        if version != expected:
+            raise RuntimeError(
+                f"weight sync announced version {expected} but the broadcast carried {version}"
+            )
+        self.engine.load_weights(tensors)
+        self.version = version
+        if version == 0:  # time counts from the first sync, as on the trainer
+            self.started_at, self.idle_s = time.monotonic(), 0.0
+        if self.cfg.trainer.record_weight_digests:
+            record_weight_digest(self.run_dir, self.rank, version, self.engine.named_parameters())
+        log.info(
+            "rank %d: weights v%d loaded in %.3fs", self.rank, version, time.monotonic() - start
+        )
+
+    def wait_a_moment(self) -> None:
+        start = time.monotonic()
+        time.sleep(0.002)
+        self.idle_s += time.monotonic() - start
+
+    def prompt_ids(self, index: int) -> list[int]:
+        if index not in self._encoded:
+            ids = self.engine.encode(self.prompts[index].text)
+            if len(ids) > self.cfg.data.max_prompt_length:
+                raise ValueError(
+                    f"prompt {index} has {len(ids)} tokens, more than data.max_prompt_length={self.cfg.data.max_prompt_length}"
+                )
+            self._encoded[index] = ids
+        return self._encoded[index]
+
+    def generate(self, count: int) -> list[SampleGroup]:
+        picks = [self.cursor.next() for _ in range(count)]
+        prompt_ids = [self.prompt_ids(index) for _, index in picks]
+        version = self.version
+        generations = self.engine.generate(prompt_ids, self.cfg.rollout.n)
+        groups = []
+        for (epoch, index), ids, gen in zip(picks, prompt_ids, generations, strict=True):
+            prompt = self.prompts[index]
+            rewards = [
+                self.task.reward(
+                    prompt, self.engine.decode(gen.response_ids[j, : gen.response_lengths[j]])
+                )
+                for j in range(self.cfg.rollout.n)
+            ]
+            groups.append(
+                SampleGroup(
+                    seed=self.cfg.trainer.seed,
+                    epoch=epoch,
+                    prompt_index=index,
+                    rollout_rank=self.rank,
+                    param_version_start=version,
+                    param_version_end=version,
+                    prompt_ids=np.asarray(ids, dtype=np.int32),
+                    response_ids=gen.response_ids,
+                    response_lengths=gen.response_lengths,
+                    rollout_log_probs=gen.log_probs,
+                    rewards=np.asarray(rewards, dtype=np.float32),
+                    rollout_idle_s=self.idle_s,
+                    rollout_elapsed_s=time.monotonic() - self.started_at,
+                )
+            )
+        return groups
+
+
+def run_rollouter(cfg: Config, topo: Topology, run_dir: Path) -> None:
+    torch.set_num_threads(cfg.rollout.torch_threads)
+    torch.manual_seed(cfg.trainer.seed * 1000 + topo.world_rank)
+    Rollouter(cfg, topo, run_dir).run()

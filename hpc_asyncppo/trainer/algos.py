@@ -1,0 +1,398 @@
+"""The PPO/GRPO math: advantages, losses, KL penalties and importance weights.
+
+Pure torch functions, no state. The math follows verl's `core_algos.py` and
+`torch_functional.py` (volcengine/verl) so that numbers are comparable with verl
+runs; the few deliberate differences are marked "Differs from verl" in docstrings.
+
+Shape names used throughout:
+    B  responses in the batch
+    L  padded response length (tokens)
+    V  vocabulary size
+    G  prompt groups, n responses per group (GRPO), so B = G * n
+
+`response_mask` (B, L) is 1 on the response's own tokens and 0 on padding (and
+on tool/observation tokens in multi-turn responses). It may be bool, int or
+float. Every mean, variance and loss below is taken over it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_KINDS = ("kl", "abs", "mse", "low_var_kl")
+IS_LEVELS = ("token", "sequence")
+
+# Bound on a log-ratio before exp(): exp(20) ~ 4.9e8 is finite in bf16/fp32.
+_LOG_RATIO_BOUND = 20.0
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of `values` where `mask` is set; NaN/inf in masked-out positions are ignored.
+
+    Args:
+        values: any shape, e.g. (B, L).
+        mask: same shape as `values`.
+        dim: dimension to reduce; None reduces everything to a scalar.
+    """
+    # torch.where, not values * mask alone: NaN * 0 is NaN, and padding may hold NaN.
+    return (torch.where(mask.bool(), values, 0.0) * mask).sum(dim=dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `values` over positions where `mask` is set (verl's `masked_mean`).
+
+    Args:
+        values: any shape, e.g. (B, L).
+        mask: same shape as `values`.
+        dim: dimension to reduce; None gives a scalar.
+
+    Returns:
+        `values`' shape with `dim` removed (a scalar when dim is None). An empty
+        mask gives 0, not NaN (the denominator carries +1e-8 as in verl).
+    """
+    return masked_sum(values, mask, dim) / (mask.sum(dim=dim) + 1e-8)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of `values` over all masked positions, scalar (verl's `masked_var`).
+
+    Args:
+        values: any shape, e.g. (B, L).
+        mask: same shape as `values`.
+        unbiased: apply Bessel's correction n / (n - 1), n = number of masked positions.
+
+    Raises:
+        ValueError: when `unbiased` and fewer than two positions are masked in.
+    """
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        count = mask.sum()
+        if count < 2:
+            raise ValueError(
+                f"unbiased masked variance needs at least 2 masked-in values, got {int(count)}"
+            )
+        variance = variance * count / (count - 1)
+    return variance
+
+
+def masked_whiten(
+    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True
+) -> torch.Tensor:
+    """(values - mean) / sqrt(var + 1e-8), statistics over masked positions only.
+
+    Args:
+        values: any shape, e.g. (B, L).
+        mask: same shape as `values`; needs at least 2 positions set (unbiased variance).
+        shift_mean: if False, the mean is added back, so only the scale changes.
+
+    Returns:
+        Same shape as `values`. Masked-out positions are transformed too, not
+        zeroed (as in verl); losses must mask them.
+    """
+    mean = masked_mean(values, mask)
+    whitened = (values - mean) * torch.rsqrt(masked_var(values, mask) + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+@torch.no_grad()
+def grpo_advantages(
+    scores: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """Group-relative advantage of each response: (r - group mean) / (group std + eps).
+
+    Args:
+        scores: (G, n) one scalar reward per response, row g holding the n
+            responses to prompt g.
+        norm_by_std: divide by the group's unbiased std (GRPO). False keeps only
+            r - mean (Dr.GRPO, https://arxiv.org/abs/2503.20783).
+        eps: added to the std so a group of equal rewards gives 0, not NaN.
+
+    Returns:
+        (G, n) advantages, detached.
+
+    Differs from verl: with n == 1 verl uses mean 0 and std 1, so the raw
+    reward becomes the advantage; here a lone response gets 0, because there is
+    no group to be relative to and a raw reward would be on another scale.
+    """
+    if scores.shape[-1] == 1:
+        return torch.zeros_like(scores)
+    centered = scores - scores.mean(dim=-1, keepdim=True)
+    if not norm_by_std:
+        return centered
+    return centered / (scores.std(dim=-1, keepdim=True) + eps)
+
+
+def token_advantages(adv_per_response: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Spread one advantage per response over its tokens.
+
+    Args:
+        adv_per_response: (B,), e.g. `grpo_advantages(...).reshape(-1)`.
+        response_mask: (B, L).
+
+    Returns:
+        (B, L): the response's advantage on its tokens, 0 on masked-out positions.
+    """
+    return adv_per_response.unsqueeze(-1) * response_mask.to(adv_per_response.dtype)
+
+
+@torch.no_grad()
+def gae_advantages(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (verl's `compute_gae_advantage_return`).
+
+    Backwards over t: delta_t = r_t + gamma * V_{t+1} - V_t and
+    A_t = delta_t + gamma * lam * A_{t+1}, with V and A equal to 0 after the
+    last token. Masked-out positions are skipped: the running next value and
+    advantage pass through them unchanged, so trailing padding gets A = 0 and a
+    masked observation token in the middle gets the advantage of the next
+    response token.
+
+    Args:
+        token_rewards: (B, L) reward at each token (usually only the last is non-zero).
+        values: (B, L) critic values at each token.
+        response_mask: (B, L); needs at least 2 positions set in the batch (whitening).
+        gamma: discount factor.
+        lam: GAE lambda.
+
+    Returns:
+        advantages: (B, L) A_t whitened over the masked positions of the whole
+            batch (padding positions are whitened too, as in verl, not zeroed).
+        returns: (B, L) A_t + V_t before whitening, the critic's target.
+    """
+    mask = response_mask.to(values.dtype)
+    next_value = torch.zeros_like(values[:, 0])
+    next_advantage = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.shape[-1])):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        next_value = torch.where(mask[:, t] > 0, values[:, t], next_value)
+        next_advantage = torch.where(mask[:, t] > 0, advantage, next_advantage)
+        advantages[:, t] = next_advantage
+    returns = advantages + values
+    return masked_whiten(advantages, mask), returns
+
+
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+    """Reduce a per-token loss to a scalar (verl's `agg_loss`, single process).
+
+    Modes:
+        "token-mean": sum over all masked tokens / number of masked tokens.
+        "seq-mean-token-sum": per response sum over its tokens, then mean over responses.
+        "seq-mean-token-mean": per response mean over its tokens, then mean over responses.
+    In the seq-mean modes a response with no masked-in token is left out of the mean.
+
+    Args:
+        loss_mat: (B, L) per-token loss.
+        loss_mask: (B, L).
+        loss_agg_mode: one of LOSS_AGG_MODES.
+
+    Returns:
+        Scalar tensor. Normalisers come from this batch only: verl's
+        `batch_num_tokens` / `global_batch_size` / `dp_size` arguments for
+        data-parallel rescaling are not taken; the caller weights micro-batches.
+
+    Raises:
+        ValueError: unknown mode (the message lists the valid ones).
+    """
+    if loss_agg_mode == "token-mean":
+        return masked_mean(loss_mat, loss_mask)
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(
+            f"unknown loss_agg_mode {loss_agg_mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}"
+        )
+    token_counts = loss_mask.sum(dim=-1)
+    seq_losses = masked_sum(loss_mat, loss_mask, dim=-1)
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_losses = seq_losses / (token_counts + 1e-8)
+    return masked_mean(seq_losses, token_counts > 0)
+
+
+def policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+    loss_agg_mode: str,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate with dual-clip (verl's `compute_policy_loss_vanilla`).
+
+    ratio = exp(clamp(log_prob - old_log_prob, -20, 20)). Per token:
+        A >= 0: max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))
+        A < 0:  min(that, -A * clip_ratio_c)   (dual-clip, https://arxiv.org/abs/1912.09729)
+    then, if given, times `is_weights`, then reduced with `agg_loss`.
+
+    Args:
+        log_prob: (B, L) log-probs of the sampled tokens under the policy being trained.
+        old_log_prob: (B, L) log-probs under the policy before this update (no grad needed).
+        advantages: (B, L).
+        response_mask: (B, L).
+        clip_ratio_low: ratio is clipped below at 1 - clip_ratio_low.
+        clip_ratio_high: ratio is clipped above at 1 + clip_ratio_high.
+        clip_ratio_c: dual-clip bound for negative advantages; must be > 1.
+        loss_agg_mode: one of LOSS_AGG_MODES.
+        is_weights: optional (B, L) truncated importance weights correcting for
+            rollout/trainer mismatch (`rollout_importance_weights`); detached here.
+
+    Returns:
+        loss: scalar, differentiable w.r.t. `log_prob`.
+        stats: detached scalars "pg_clipfrac" (fraction of tokens where the
+            clipped term was used), "pg_clipfrac_lower" (fraction where the
+            dual-clip bound was used) and "ppo_kl" (mean old - new log-prob).
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {clip_ratio_c}")
+    log_ratio = torch.clamp(log_prob - old_log_prob, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    ratio = torch.exp(log_ratio)
+
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    ppo_losses = torch.maximum(unclipped, clipped)
+    dual_bound = -advantages * clip_ratio_c
+    losses = torch.where(advantages < 0, torch.minimum(ppo_losses, dual_bound), ppo_losses)
+    if is_weights is not None:
+        losses = losses * is_weights.detach()
+
+    with torch.no_grad():
+        stats = {
+            "pg_clipfrac": masked_mean((clipped > unclipped).float(), response_mask),
+            "pg_clipfrac_lower": masked_mean(
+                ((ppo_losses > dual_bound) & (advantages < 0)).float(), response_mask
+            ),
+            "ppo_kl": masked_mean(-log_ratio, response_mask),
+        }
+    return agg_loss(losses, response_mask, loss_agg_mode), stats
+
+
+def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled-token log-probs.
+
+    Kinds (http://joschu.net/blog/kl-approx.html):
+        "kl": logp - ref (k1).
+        "abs": |logp - ref|.
+        "mse": 0.5 * (logp - ref)^2 (k2).
+        "low_var_kl": exp(ref - logp) - (ref - logp) - 1 (k3), with ref - logp
+            clamped to [-20, 20] and the result to [-10, 10] as in verl.
+
+    Args:
+        log_prob: (B, L) policy log-probs.
+        ref_log_prob: (B, L) reference-model log-probs.
+        kind: one of KL_KINDS.
+
+    Returns:
+        (B, L) per-token penalty; masking is left to the caller.
+
+    Raises:
+        ValueError: unknown kind (the message lists the valid ones).
+    """
+    diff = log_prob - ref_log_prob
+    if kind == "kl":
+        return diff
+    if kind == "abs":
+        return diff.abs()
+    if kind == "mse":
+        return 0.5 * diff.square()
+    if kind == "low_var_kl":
+        log_ratio = torch.clamp(-diff, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+        return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, -10.0, 10.0)
+    raise ValueError(f"unknown kl kind {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax distribution at each position.
+
+    Args:
+        logits: (B, L, V).
+
+    Returns:
+        (B, L): logsumexp(logits) - sum(softmax(logits) * logits), in nats.
+    """
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def value_loss(
+    vpreds: torch.Tensor,
+    values_old: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped value loss (verl's `compute_value_loss`).
+
+    Per token: max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2); the loss is
+    0.5 * agg_loss of that.
+
+    Args:
+        vpreds: (B, L) values from the critic being trained.
+        values_old: (B, L) values from the critic that scored the rollout.
+        returns: (B, L) targets (`gae_advantages`' returns).
+        response_mask: (B, L).
+        cliprange_value: c above.
+        loss_agg_mode: one of LOSS_AGG_MODES.
+
+    Returns:
+        loss: scalar, differentiable w.r.t. `vpreds`.
+        clipfrac: detached scalar, fraction of tokens where the clipped term was larger.
+    """
+    vpreds_clipped = torch.clamp(vpreds, values_old - cliprange_value, values_old + cliprange_value)
+    unclipped = (vpreds - returns) ** 2
+    clipped = (vpreds_clipped - returns) ** 2
+    loss = 0.5 * agg_loss(torch.maximum(unclipped, clipped), response_mask, loss_agg_mode)
+    clipfrac = masked_mean((clipped > unclipped).float(), response_mask).detach()
+    return loss, clipfrac
+
+
+@torch.no_grad()
+def rollout_importance_weights(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    level: str,
+    threshold: float,
+) -> torch.Tensor:
+    """Truncated importance weights pi_old / pi_rollout (rollout engine vs trainer mismatch).
+
+    Levels:
+        "token": w_t = min(exp(old_t - rollout_t), threshold).
+        "sequence": w = min(exp(sum over the response's masked tokens of
+            (old_t - rollout_t)), threshold), the same on every token of the response.
+    Log-ratios are clamped to [-20, 20] before exp so long responses cannot overflow.
+
+    Args:
+        old_log_prob: (B, L) log-probs recomputed by the trainer before the update.
+        rollout_log_prob: (B, L) log-probs reported by the rollout engine when sampling.
+        response_mask: (B, L).
+        level: one of IS_LEVELS.
+        threshold: truncation bound (TIS), e.g. 2.0.
+
+    Returns:
+        (B, L) detached weights, 0 on masked-out positions.
+
+    Raises:
+        ValueError: unknown level (the message lists the valid ones).
+    """
+    mask = response_mask.to(old_log_prob.dtype)
+    log_ratio = old_log_prob - rollout_log_prob
+    if level == "token":
+        log_weight = log_ratio
+    elif level == "sequence":
+        log_weight = masked_sum(log_ratio, mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)
+    else:
+        raise ValueError(
+            f"unknown importance-weight level {level!r}; valid levels: {', '.join(IS_LEVELS)}"
+        )
+    weights = torch.exp(torch.clamp(log_weight, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
+    return torch.where(mask > 0, torch.clamp(weights, max=threshold), 0.0)

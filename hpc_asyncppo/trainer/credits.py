@@ -1,0 +1,52 @@
+"""Flow and staleness control in one: how many prompt groups each rollout rank may start.
+
+verl's rule (DESIGN.md): at most ``max_required_groups`` = required * (1 + staleness_threshold)
+* trigger_parameter_sync_step groups may be produced since the last weight sync and not yet
+trained on. The leader enforces it by granting credits: a rollout rank starts a group only
+with a credit. At each sync the budget restarts from what is still outstanding (queued at the
+leader or granted and not yet received), as in verl. Because the trainer's queue can never
+hold more than the budget, the same credits bound the leader's memory: no side can overrun
+the other. The controller is pure bookkeeping (no MPI), so it is tested alone.
+"""
+
+from __future__ import annotations
+
+
+class CreditController:
+    def __init__(self, rollout_ranks: int, max_outstanding: int, total_groups: int):
+        self.max_outstanding = max_outstanding  # the staleness budget, in groups
+        self.total_groups = total_groups  # groups the whole run trains on
+        self.in_flight = [0] * rollout_ranks  # granted to each rank, not yet received
+        self.queued = 0  # received, not yet trained or dropped
+        self.trained = 0
+        self.used = 0  # budget used since the last sync
+
+    @property
+    def outstanding(self) -> int:
+        return self.queued + sum(self.in_flight)
+
+    def grant(self) -> list[int]:
+        """New credits per rank, spread to the ranks with the fewest groups in flight."""
+        remaining = self.total_groups - self.trained - self.outstanding
+        count = max(0, min(self.max_outstanding - self.used, remaining))
+        grants = [0] * len(self.in_flight)
+        for _ in range(count):
+            rank = min(range(len(self.in_flight)), key=lambda r: self.in_flight[r])
+            self.in_flight[rank] += 1
+            grants[rank] += 1
+        self.used += count
+        return grants
+
+    def received(self, rank: int) -> None:
+        if self.in_flight[rank] <= 0:
+            raise RuntimeError(f"rollout rank {rank} sent a group it had no credit for")
+        self.in_flight[rank] -= 1
+        self.queued += 1
+
+    def consumed(self, trained: int, dropped: int) -> None:
+        self.queued -= trained + dropped
+        self.trained += trained
+
+    def synced(self) -> None:
+        """A new weight version: the budget restarts from what is still outstanding."""
+        self.used = self.outstanding

@@ -1,0 +1,127 @@
+"""Weights from the trainer leader to every rollout rank, in flat byte buckets.
+
+A sync is: a header (version and, per tensor, name, dtype, shape, bucket and byte offset)
+broadcast as JSON bytes, then each bucket. Tensors are packed as raw bytes, so every dtype
+(bf16 included) travels bit-exactly. The group is {trainer leader} + rollout ranks, gloo on
+CPU and NCCL when CUDA is present (same code: only the device of the buffers changes).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_DTYPES = {str(dt): dt for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    name: str
+    dtype: str  # e.g. "torch.bfloat16"
+    shape: tuple[int, ...]
+    bucket: int
+    offset: int  # byte offset inside the bucket
+    nbytes: int
+
+
+def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[TensorSlot]:
+    """Assign tensors, in order, to buckets of at most ``bucket_bytes`` (a larger tensor gets its own)."""
+    slots, bucket, used = [], 0, 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if used and used + nbytes > bucket_bytes:
+            bucket, used = bucket + 1, 0
+        slots.append(TensorSlot(name, str(tensor.dtype), tuple(tensor.shape), bucket, used, nbytes))
+        used += nbytes
+    return slots
+
+
+def bucket_sizes(slots: list[TensorSlot]) -> list[int]:
+    sizes: dict[int, int] = {}
+    for s in slots:
+        sizes[s.bucket] = max(sizes.get(s.bucket, 0), s.offset + s.nbytes)
+    return [sizes[b] for b in sorted(sizes)]
+
+
+def pack(
+    named: list[tuple[str, torch.Tensor]], slots: list[TensorSlot], device: torch.device
+) -> list[torch.Tensor]:
+    """Copy tensors into flat uint8 buckets laid out by ``slots``."""
+    buckets = [torch.empty(size, dtype=torch.uint8, device=device) for size in bucket_sizes(slots)]
+    for (_, tensor), slot in zip(named, slots, strict=True):
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        buckets[slot.bucket][slot.offset : slot.offset + slot.nbytes].copy_(raw)
+    return buckets
+
+
+def unpack(buckets: list[torch.Tensor], slots: list[TensorSlot]) -> dict[str, torch.Tensor]:
+    """Views into ``buckets``, one per tensor, with its dtype and shape."""
+    return {
+        s.name: buckets[s.bucket][s.offset : s.offset + s.nbytes]
+        .view(_DTYPES[s.dtype])
+        .view(s.shape)
+        for s in slots
+    }
+
+
+def encode_header(version: int, slots: list[TensorSlot]) -> bytes:
+    return json.dumps(
+        {"version": version, "slots": [list(s.__dict__.values()) for s in slots]}
+    ).encode()
+
+
+def decode_header(raw: bytes) -> tuple[int, list[TensorSlot]]:
+    header = json.loads(raw)
+    slots = [
+        TensorSlot(n, dt, tuple(shape), b, off, nb) for n, dt, shape, b, off, nb in header["slots"]
+    ]
+    for s in slots:
+        if s.dtype not in _DTYPES:
+            raise ValueError(f"weight {s.name!r} has unsupported dtype {s.dtype}")
+    return int(header["version"]), slots
+
+
+class WeightBroadcaster:
+    """Trainer leader: sends its weights to every rollout rank of ``group`` (src = leader)."""
+
+    def __init__(self, group: dist.ProcessGroup, src: int, bucket_mb: int, device: torch.device):
+        self.group, self.src, self.device = group, src, device
+        self.bucket_bytes = bucket_mb * 2**20
+
+    def broadcast(self, version: int, named: list[tuple[str, torch.Tensor]]) -> float:
+        """Broadcast ``named`` tensors as ``version``; returns the seconds it took."""
+        start = time.monotonic()
+        slots = plan_buckets(named, self.bucket_bytes)
+        header = torch.frombuffer(bytearray(encode_header(version, slots)), dtype=torch.uint8).to(
+            self.device
+        )
+        length = torch.tensor([header.numel()], dtype=torch.int64, device=self.device)
+        dist.broadcast(length, src=self.src, group=self.group)
+        dist.broadcast(header, src=self.src, group=self.group)
+        for bucket in pack(named, slots, self.device):
+            dist.broadcast(bucket, src=self.src, group=self.group)
+        return time.monotonic() - start
+
+
+class WeightReceiver:
+    """Rollout rank: receives one sync's header and buckets from the leader."""
+
+    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device):
+        self.group, self.src, self.device = group, src, device
+
+    def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
+        length = torch.empty(1, dtype=torch.int64, device=self.device)
+        dist.broadcast(length, src=self.src, group=self.group)
+        header = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        dist.broadcast(header, src=self.src, group=self.group)
+        version, slots = decode_header(header.cpu().numpy().tobytes())
+        buckets = [
+            torch.empty(size, dtype=torch.uint8, device=self.device) for size in bucket_sizes(slots)
+        ]
+        for bucket in buckets:
+            dist.broadcast(bucket, src=self.src, group=self.group)
+        return version, unpack(buckets, slots)

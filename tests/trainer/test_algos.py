@@ -1,0 +1,329 @@
+"""Each function in hpc_asyncppo.trainer.algos against numbers worked out by hand.
+
+The expected values are computed with plain Python (math module) in the test,
+never by calling the same torch formula, so a wrong formula cannot agree with itself.
+"""
+
+import math
+
+import pytest
+import torch
+
+from hpc_asyncppo.trainer import algos
+
+
+def t(rows):
+    """A float64 tensor from nested lists (float64 keeps hand arithmetic exact to ~1e-12)."""
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def close(actual, expected, tol=1e-6):
+    assert torch.allclose(actual, t(expected), atol=tol, rtol=0), f"{actual} != {expected}"
+
+
+# --- masked statistics --------------------------------------------------------
+
+
+def test_masked_mean_ignores_masked_positions_even_nan():
+    values = t([[1.0, 2.0], [3.0, math.nan]])
+    mask = t([[1, 1], [1, 0]])
+    close(algos.masked_mean(values, mask), (1 + 2 + 3) / 3)
+    close(algos.masked_mean(values, mask, dim=-1), [(1 + 2) / 2, 3 / 1])
+
+
+def test_masked_mean_of_empty_mask_is_zero():
+    close(algos.masked_mean(t([5.0, 6.0]), t([0, 0])), 0.0)
+
+
+def test_masked_whiten_uses_unbiased_variance_and_transforms_padding():
+    values = t([1.0, 2.0, 3.0, 100.0])
+    mask = t([1, 1, 1, 0])
+    mean = (1 + 2 + 3) / 3  # 2
+    var = ((1 - 2) ** 2 + 0 + (3 - 2) ** 2) / (3 - 1)  # 1, Bessel-corrected
+    scale = 1 / math.sqrt(var + 1e-8)
+    expected = [(v - mean) * scale for v in (1.0, 2.0, 3.0, 100.0)]
+    close(algos.masked_whiten(values, mask), expected)
+    close(algos.masked_whiten(values, mask, shift_mean=False), [e + mean for e in expected])
+
+
+def test_masked_whiten_rejects_a_single_value():
+    with pytest.raises(ValueError, match="at least 2"):
+        algos.masked_whiten(t([1.0, 2.0]), t([1, 0]))
+
+
+# --- GRPO / token advantages --------------------------------------------------
+
+
+def test_grpo_advantages_normalise_by_group_std():
+    scores = t([[1.0, 2.0, 3.0], [0.0, 0.0, 1.0], [4.0, 4.0, 4.0]])
+    eps = 1e-6
+    # group 0: mean 2, unbiased std sqrt((1 + 0 + 1) / 2) = 1
+    row0 = [(r - 2) / (1 + eps) for r in (1.0, 2.0, 3.0)]
+    # group 1: mean 1/3, unbiased std sqrt(((1/3)^2 * 2 + (2/3)^2) / 2) = sqrt(1/3)
+    std1 = math.sqrt(((1 / 3) ** 2 * 2 + (2 / 3) ** 2) / 2)
+    row1 = [(r - 1 / 3) / (std1 + eps) for r in (0.0, 0.0, 1.0)]
+    # group 2: all equal -> 0 / (0 + eps) = 0
+    close(algos.grpo_advantages(scores, eps=eps), [row0, row1, [0.0, 0.0, 0.0]])
+
+
+def test_grpo_advantages_without_std_is_dr_grpo():
+    scores = t([[0.0, 0.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
+    expected = [[-0.5, -0.5, 0.5, 0.5], [0.75, -0.25, -0.25, -0.25]]
+    close(algos.grpo_advantages(scores, norm_by_std=False), expected)
+
+
+def test_grpo_advantages_of_single_response_groups_are_zero():
+    close(algos.grpo_advantages(t([[3.0], [-1.0]])), [[0.0], [0.0]])
+
+
+def test_grpo_advantages_are_detached():
+    scores = t([[0.0, 1.0]]).requires_grad_()
+    assert not algos.grpo_advantages(scores).requires_grad
+
+
+def test_token_advantages_broadcast_over_response_tokens():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    close(algos.token_advantages(t([0.5, -2.0]), mask), [[0.5, 0.5, 0.0], [-2.0, 0.0, 0.0]])
+
+
+# --- GAE ----------------------------------------------------------------------
+
+GAMMA, LAM = 0.9, 0.8
+
+
+def two_token_gae_by_hand(r0, r1, v0, v1):
+    """A_1 = r1 - v1 (nothing after the last token); A_0 = delta_0 + gamma * lam * A_1."""
+    a1 = r1 + GAMMA * 0.0 - v1
+    a0 = (r0 + GAMMA * v1 - v0) + GAMMA * LAM * a1
+    return a0, a1
+
+
+def test_gae_two_tokens_matches_hand_recursion_and_whitens():
+    rewards, values, mask = t([[0.0, 1.0]]), t([[0.5, 0.2]]), t([[1, 1]])
+    a0, a1 = two_token_gae_by_hand(0.0, 1.0, 0.5, 0.2)  # 0.256, 0.8
+    advantages, returns = algos.gae_advantages(rewards, values, mask, GAMMA, LAM)
+    close(returns, [[a0 + 0.5, a1 + 0.2]])  # returns = pre-whitening A + V
+    # Two values whitened with the unbiased variance land on -+1/sqrt(2).
+    close(advantages, [[-1 / math.sqrt(2), 1 / math.sqrt(2)]])
+
+
+def test_gae_padding_and_whitening_over_the_batch():
+    rewards = t([[0.0, 1.0, 0.0], [2.0, 0.0, 0.0]])
+    values = t([[0.5, 0.2, 7.0], [1.5, 3.0, 4.0]])
+    mask = t([[1, 1, 0], [1, 0, 0]])
+    a0, a1 = two_token_gae_by_hand(0.0, 1.0, 0.5, 0.2)
+    b0 = 2.0 - 1.5  # last token of row 1: r - v
+    raw = [[a0, a1, 0.0], [b0, 0.0, 0.0]]  # trailing padding carries A = 0
+    advantages, returns = algos.gae_advantages(rewards, values, mask, GAMMA, LAM)
+    close(returns, [[a0 + 0.5, a1 + 0.2, 7.0], [b0 + 1.5, 3.0, 4.0]])
+
+    real = [a0, a1, b0]
+    mean = sum(real) / 3
+    std = math.sqrt(sum((x - mean) ** 2 for x in real) / 2)
+    close(advantages, [[(x - mean) / std for x in row] for row in raw])
+    close(algos.masked_mean(advantages, mask), 0.0)
+
+
+def test_gae_skips_masked_tokens_inside_a_response():
+    # The middle token is masked out (an observation): its reward and value are
+    # ignored, and it carries the next response token's advantage.
+    rewards, values, mask = t([[0.0, 5.0, 1.0]]), t([[0.5, 9.0, 0.2]]), t([[1, 0, 1]])
+    a0, a1 = two_token_gae_by_hand(0.0, 1.0, 0.5, 0.2)
+    _, returns = algos.gae_advantages(rewards, values, mask, GAMMA, LAM)
+    close(returns, [[a0 + 0.5, a1 + 9.0, a1 + 0.2]])
+
+
+# --- loss aggregation ---------------------------------------------------------
+
+LOSS = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
+UNEQUAL_MASK = [[1, 1, 1], [1, 0, 0]]
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("token-mean", (1 + 2 + 3 + 4) / 4),
+        ("seq-mean-token-sum", ((1 + 2 + 3) + 4) / 2),
+        ("seq-mean-token-mean", ((1 + 2 + 3) / 3 + 4 / 1) / 2),
+    ],
+)
+def test_agg_loss_modes_on_unequal_lengths(mode, expected):
+    close(algos.agg_loss(t(LOSS), t(UNEQUAL_MASK), mode), expected)
+
+
+@pytest.mark.parametrize("mode", algos.LOSS_AGG_MODES)
+def test_agg_loss_leaves_out_fully_masked_responses(mode):
+    with_empty_row = algos.agg_loss(
+        t([*LOSS, [7.0, 8.0, 9.0]]), t([*UNEQUAL_MASK, [0, 0, 0]]), mode
+    )
+    close(with_empty_row, algos.agg_loss(t(LOSS), t(UNEQUAL_MASK), mode).item())
+
+
+def test_agg_loss_rejects_unknown_mode_listing_valid_ones():
+    with pytest.raises(ValueError, match="token-mean, seq-mean-token-sum, seq-mean-token-mean"):
+        algos.agg_loss(t(LOSS), t(UNEQUAL_MASK), "seq-sum")
+
+
+# --- policy loss --------------------------------------------------------------
+
+
+def test_policy_loss_clipping_and_dual_clip_by_hand():
+    # low = high = 0.2 -> ratio clipped to [0.8, 1.2]; clip_ratio_c = 3.
+    #   a: A=+1,   ratio 1.5 -> max(-1.5, -1.2) = -1.2             (clipped)
+    #   b: A=-1,   ratio 5   -> max(5, 1.2) = 5, dual-clip min(5, 3) = 3
+    #   c: A=-1,   ratio 0.5 -> max(0.5, 0.8) = 0.8, min(0.8, 3) = 0.8 (clipped)
+    #   d: A=+0.5, ratio 1   -> -0.5
+    # Row 1's last two positions are padding with an absurd ratio and advantage.
+    ratios = [[1.5, 5.0, 0.5], [1.0, 1e6, 1e6]]
+    log_prob = t([[math.log(r) for r in row] for row in ratios])
+    old_log_prob = torch.zeros_like(log_prob)
+    advantages = t([[1.0, -1.0, -1.0], [0.5, -100.0, 100.0]])
+    mask = t(UNEQUAL_MASK)
+
+    loss, stats = algos.policy_loss(
+        log_prob, old_log_prob, advantages, mask, 0.2, 0.2, 3.0, "token-mean"
+    )
+    close(loss, (-1.2 + 3.0 + 0.8 - 0.5) / 4)
+    close(stats["pg_clipfrac"], 2 / 4)  # a and c
+    close(stats["pg_clipfrac_lower"], 1 / 4)  # b
+    close(stats["ppo_kl"], -(math.log(1.5) + math.log(5.0) + math.log(0.5) + 0.0) / 4)
+
+    loss, _ = algos.policy_loss(
+        log_prob, old_log_prob, advantages, mask, 0.2, 0.2, 3.0, "seq-mean-token-mean"
+    )
+    close(loss, ((-1.2 + 3.0 + 0.8) / 3 + -0.5) / 2)
+
+
+def test_policy_loss_asymmetric_clip_range():
+    # low 0.2, high 0.28 (DAPO clip-higher): ratio 1.5 with A=+1 is cut at 1.28, ratio 0.5 with A=-1 at 0.8.
+    log_prob, old = t([[math.log(1.5), math.log(0.5)]]), t([[0.0, 0.0]])
+    advantages, mask = t([[1.0, -1.0]]), t([[1, 1]])
+    loss, _ = algos.policy_loss(log_prob, old, advantages, mask, 0.2, 0.28, 3.0, "token-mean")
+    close(loss, (-1.28 + 0.8) / 2)
+
+
+def test_policy_loss_clamps_log_ratio_at_20():
+    log_prob, old = t([[50.0, 0.0]]), t([[0.0, 0.0]])
+    _, stats = algos.policy_loss(
+        log_prob, old, t([[1.0, 1.0]]), t([[1, 1]]), 0.2, 0.2, 3.0, "token-mean"
+    )
+    close(stats["ppo_kl"], (-20.0 + 0.0) / 2)
+
+
+def test_policy_loss_rejects_clip_ratio_c_not_above_one():
+    zeros = t([[0.0]])
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        algos.policy_loss(zeros, zeros, zeros, t([[1]]), 0.2, 0.2, 1.0, "token-mean")
+
+
+def test_policy_loss_importance_weights_scale_tokens_and_get_no_gradient():
+    # Nothing clipped: ratio 1, so loss = mean(-A * w * ratio) and
+    # d loss / d log_prob_t = -A_t * w_t * ratio_t / N.
+    log_prob = t([[0.0, 0.0]]).requires_grad_()
+    is_weights = t([[0.5, 2.0]]).requires_grad_()
+    advantages = t([[2.0, 1.0]])
+    loss, _ = algos.policy_loss(
+        log_prob, t([[0.0, 0.0]]), advantages, t([[1, 1]]), 0.2, 0.2, 3.0, "token-mean", is_weights
+    )
+    close(loss, (-2.0 * 0.5 + -1.0 * 2.0) / 2)
+    loss.backward()
+    close(log_prob.grad, [[-2.0 * 0.5 / 2, -1.0 * 2.0 / 2]])
+    assert is_weights.grad is None
+
+
+def test_policy_loss_stats_are_detached():
+    log_prob = t([[0.1, -0.2]]).requires_grad_()
+    _, stats = algos.policy_loss(
+        log_prob, t([[0.0, 0.0]]), t([[1.0, -1.0]]), t([[1, 1]]), 0.2, 0.2, 3.0, "token-mean"
+    )
+    assert set(stats) == {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"}
+    assert not any(value.requires_grad for value in stats.values())
+
+
+# --- KL, entropy, value loss --------------------------------------------------
+
+LOGP = [[-1.0, -2.0]]
+REF = [[-1.5, -1.0]]  # logp - ref = [0.5, -1.0]; ref - logp = [-0.5, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [
+        ("kl", [[0.5, -1.0]]),
+        ("abs", [[0.5, 1.0]]),
+        ("mse", [[0.5 * 0.25, 0.5 * 1.0]]),
+        ("low_var_kl", [[math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]]),
+    ],
+)
+def test_kl_penalty_kinds(kind, expected):
+    close(algos.kl_penalty(t(LOGP), t(REF), kind), expected)
+
+
+def test_low_var_kl_is_clamped_to_ten():
+    # ref - logp = 15: exp(15) - 16 is huge -> 10. ref - logp = -30: clamped to -20
+    # first, exp(-20) + 20 - 1 ~ 19 -> 10.
+    close(algos.kl_penalty(t([[0.0, 0.0]]), t([[15.0, -30.0]]), "low_var_kl"), [[10.0, 10.0]])
+
+
+def test_kl_penalty_rejects_unknown_kind_listing_valid_ones():
+    with pytest.raises(ValueError, match="kl, abs, mse, low_var_kl"):
+        algos.kl_penalty(t(LOGP), t(REF), "full")
+
+
+def test_entropy_from_logits():
+    # position 0: uniform over 2 -> ln 2; position 1: p = [1/4, 3/4].
+    logits = t([[[0.0, 0.0], [0.0, math.log(3.0)]]])
+    expected = [[math.log(2.0), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]]
+    close(algos.entropy_from_logits(logits), expected)
+
+
+def test_value_loss_by_hand():
+    # c = 0.2.
+    #   token 0: v 1.0, v_old 0.5, R 2.0 -> clip(1.0) = 0.7; (1-2)^2 = 1, (0.7-2)^2 = 1.69 -> 1.69 (clipped)
+    #   token 1: v 2.5, v_old 2.0, R 1.0 -> clip(2.5) = 2.2; (1.5)^2 = 2.25, (1.2)^2 = 1.44 -> 2.25
+    #   token 2: padding
+    vpreds = t([[1.0, 2.5, 50.0]])
+    values_old = t([[0.5, 2.0, 0.0]])
+    returns = t([[2.0, 1.0, -50.0]])
+    loss, clipfrac = algos.value_loss(
+        vpreds, values_old, returns, t([[1, 1, 0]]), 0.2, "token-mean"
+    )
+    close(loss, 0.5 * (1.69 + 2.25) / 2)
+    close(clipfrac, 1 / 2)
+
+
+# --- rollout importance weights -----------------------------------------------
+
+# old - rollout = [[0.5, -1, pad], [1, 0.5, pad]]
+OLD = [[-1.0, -2.0, -0.5], [0.0, 0.0, 0.0]]
+ROLLOUT = [[-1.5, -1.0, -9.0], [-1.0, -0.5, -9.0]]
+IS_MASK = [[1, 1, 0], [1, 1, 0]]
+
+
+def test_token_importance_weights_truncate_each_token():
+    weights = algos.rollout_importance_weights(t(OLD), t(ROLLOUT), t(IS_MASK), "token", 1.5)
+    # exp(0.5) = 1.649 -> 1.5; exp(-1) = 0.368; exp(1) = 2.718 -> 1.5; exp(0.5) -> 1.5
+    close(weights, [[1.5, math.exp(-1.0), 0.0], [1.5, 1.5, 0.0]])
+
+
+def test_sequence_importance_weights_share_one_truncated_weight():
+    weights = algos.rollout_importance_weights(t(OLD), t(ROLLOUT), t(IS_MASK), "sequence", 1.5)
+    row0 = math.exp(0.5 - 1.0)  # 0.607, under the threshold
+    row1 = min(math.exp(1.0 + 0.5), 1.5)  # 4.48 -> 1.5
+    close(weights, [[row0, row0, 0.0], [row1, row1, 0.0]])
+
+
+@pytest.mark.parametrize("level", algos.IS_LEVELS)
+def test_importance_weights_do_not_overflow_and_are_detached(level):
+    old = t([[1000.0, 1000.0], [-1000.0, -1000.0]]).requires_grad_()
+    weights = algos.rollout_importance_weights(
+        old, t([[0.0, 0.0], [0.0, 0.0]]), t([[1, 1], [1, 1]]), level, 2.0
+    )
+    assert not weights.requires_grad
+    close(weights[0], [2.0, 2.0])
+    assert torch.all(torch.isfinite(weights)) and torch.all(weights[1] >= 0)
+
+
+def test_importance_weights_reject_unknown_level():
+    with pytest.raises(ValueError, match="token, sequence"):
+        algos.rollout_importance_weights(t(OLD), t(ROLLOUT), t(IS_MASK), "geometric", 2.0)
