@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hpc_asyncppo.config import Config, ConfigError
 from hpc_asyncppo.launch.progress import follow
-from hpc_asyncppo.launch.rundir import rank_errors
+from hpc_asyncppo.launch.rundir import rank_errors, read_rank_info
 
 
 def local_environment(rollout_ranks: int) -> dict[str, str]:
@@ -58,9 +58,15 @@ _MPIRUN_DEATH = re.compile(
 def explain_failure(run_dir: Path, rollout_ranks: int, mpirun_log: str) -> list[str]:
     """Why the job failed, one line per failed rank: its own error, or how mpirun saw it die."""
     lines = rank_errors(run_dir)
+    info = {r["rank"]: r for r in read_rank_info(run_dir)}
     for rank, pid, node, sig in _MPIRUN_DEATH.findall(mpirun_log):
         role = "rollout" if int(rank) < rollout_ranks else "trainer"
         name = signal.Signals(int(sig)).name if int(sig) in signal.valid_signals() else sig
+        # mpirun may print PID 0; the rank's own record knows better
+        pid, node = (
+            info.get(int(rank), {}).get("pid", pid),
+            info.get(int(rank), {}).get("host", node),
+        )
         if not any(line.startswith(f"rank {rank} ") for line in lines):
             lines.append(
                 f"rank {rank} ({role}, {node}, pid {pid}) died: killed by signal {sig} ({name})"

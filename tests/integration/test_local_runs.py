@@ -1,0 +1,187 @@
+"""Real runs under mpirun: rollout and trainer ranks, MPI samples, gloo weight syncs."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_asyncppo.runlog import read_jsonl
+
+pytestmark = pytest.mark.mpi
+REPO = Path(__file__).resolve().parents[2]
+
+# 4 prompts x 8 responses = 32 samples per step, a sync every 2 steps
+SMALL = [
+    "trainer.total_steps=6",
+    "actor.ppo_mini_batch_size=4",
+    "async_training.trigger_parameter_sync_step=2",
+    "trainer.record_weight_digests=true",
+    "timeouts.sample_wait_s=120",
+]
+
+
+def submit(run_dir: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "hpc_asyncppo.submit",
+        "--cluster",
+        "local",
+        "--run-dir",
+        str(run_dir),
+        *args,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout)
+
+
+def check_audit(run_dir: Path, max_staleness: int) -> list[dict]:
+    metrics = {row["step"]: row for row in read_jsonl(run_dir / "metrics.jsonl")}
+    trained = read_jsonl(run_dir / "trained_samples.jsonl")
+    uids = [row["uid"] for row in trained]
+    assert len(uids) == len(set(uids)), "a sample was trained twice"
+    for row in trained:
+        version_at_train = metrics[row["step"]]["param_version"]
+        assert row["staleness"] == version_at_train - row["param_version_start"]
+        assert 0 <= row["staleness"] <= max_staleness, row
+    return trained
+
+
+def check_weights_match(run_dir: Path, rollout_ranks: int, versions: int) -> None:
+    """After every sync, every rollout rank holds exactly the trainer leader's weights."""
+    leader = {
+        r["version"]: r["digest"]
+        for r in read_jsonl(run_dir / "weights" / f"rank{rollout_ranks}.jsonl")
+    }
+    assert sorted(leader) == list(range(versions))
+    for rank in range(rollout_ranks):
+        mine = {
+            r["version"]: r["digest"] for r in read_jsonl(run_dir / "weights" / f"rank{rank}.jsonl")
+        }
+        assert mine == leader, f"rollout rank {rank} differs from the trainer after a sync"
+
+
+@pytest.mark.parametrize(("rollout_ranks", "train_ranks"), [(1, 1), (2, 2), (3, 2), (1, 2)])
+def test_topology_trains_syncs_and_stays_within_staleness(tmp_path, rollout_ranks, train_ranks):
+    run_dir = tmp_path / "run"
+    proc = submit(
+        run_dir, "--rollout-ranks", str(rollout_ranks), "--train-ranks", str(train_ranks), *SMALL
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 7))
+    assert metrics[-1]["samples/total"] == 6 * 32
+    # versions 0..3: initial sync, then after steps 2, 4 and 6
+    check_weights_match(run_dir, rollout_ranks, versions=4)
+    trained = check_audit(run_dir, max_staleness=4)
+    assert len(trained) == 6 * 32
+    assert {row["rollout_rank"] for row in trained} == set(range(rollout_ranks))
+    ranks = {
+        r["rank"]: r
+        for r in (json.loads(p.read_text()) for p in (run_dir / "ranks").glob("*.json"))
+    }
+    assert [ranks[i]["role"] for i in range(rollout_ranks + train_ranks)] == (
+        ["rollout"] * rollout_ranks + ["trainer"] * train_ranks
+    )
+    assert all(r["state"] == "done" for r in ranks.values())
+
+
+def test_sync_mode_is_on_policy(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = submit(run_dir, "--rollout-ranks", "2", *SMALL, "async_training.mode=sync")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    trained = check_audit(run_dir, max_staleness=0)
+    assert {row["staleness"] for row in trained} == {0}
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["param_version"] for m in metrics] == list(range(6))  # a sync after every step
+    check_weights_match(run_dir, 2, versions=7)
+
+
+def test_max_staleness_zero_drops_and_records_stale_samples(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [
+        *SMALL,
+        "async_training.max_staleness=0",
+        "async_training.staleness_threshold=1.0",
+        "trainer.total_steps=8",
+    ]
+    proc = submit(run_dir, "--rollout-ranks", "2", *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    trained = check_audit(run_dir, max_staleness=0)
+    dropped = read_jsonl(run_dir / "dropped_samples.jsonl")
+    assert dropped, "with staleness_threshold=1 some samples must outlive their version"
+    assert {row["reason"] for row in dropped} <= {"stale", "run_ended"}
+    assert all(row["staleness"] > 0 for row in dropped if row["reason"] == "stale")
+    assert not {r["uid"] for r in trained} & {r["uid"] for r in dropped}
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert metrics[-1]["samples/dropped"] == sum(1 for r in dropped if r["reason"] == "stale")
+
+
+def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    proc = submit(
+        run_dir,
+        "--rollout-ranks",
+        "2",
+        "trainer.total_steps=200",
+        "data.reward_fn=tests.integration.faults:raise_on_rank1",
+    )
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 120
+    assert (
+        "rank 1 (rollout" in proc.stderr
+        and "injected failure in the reward function" in proc.stderr
+    )
+
+
+def test_a_killed_rank_ends_the_job_within_bounded_time(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", "--run-dir", str(run_dir),
+           "--rollout-ranks", "2", "trainer.total_steps=100000", "data.reward_fn=tests.integration.faults:slow"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(read_jsonl(run_dir / "metrics.jsonl")) < 3:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the run never got going"
+            time.sleep(0.5)
+        victim = json.loads((run_dir / "ranks" / "rank1.json").read_text())
+        killed_at = time.monotonic()
+        os.kill(victim["pid"], signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert time.monotonic() - killed_at < 60
+    assert proc.returncode != 0
+    assert (
+        f"rank 1 (rollout, {victim['host']}, pid {victim['pid']}) died: killed by signal 9" in err
+    ), err
+    # everything this run had trained is still accounted for
+    trained = read_jsonl(run_dir / "trained_samples.jsonl")
+    assert len({r["uid"] for r in trained}) == len(trained)
+
+
+def test_default_job_learns(tmp_path):
+    """The README's first command: the embedded default learns the synthetic task."""
+    run_dir = tmp_path / "run"
+    proc = submit(run_dir, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rewards = [m["reward/mean"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-20:]) / 20
+    assert first < 0.2, f"a random policy scores about 1/15, got {first}"
+    assert last >= 0.8, f"mean reward of the last 20 steps {last}"
+    counts = collections.Counter(
+        r["staleness"] for r in read_jsonl(run_dir / "trained_samples.jsonl")
+    )
+    assert max(counts) <= 4

@@ -1,0 +1,106 @@
+import dataclasses
+
+import numpy as np
+import torch
+
+from hpc_asyncppo.config import Config, ModelConfig, RolloutConfig
+from hpc_asyncppo.rollout.hf_engine import HFEngine, left_pad, response_lengths
+from hpc_asyncppo.trainer.batch import collate, to_tensors
+from hpc_asyncppo.trainer.policy import Policy
+from hpc_asyncppo.transport.samples import SampleGroup
+
+CPU = torch.device("cpu")
+
+
+def test_left_pad_right_aligns_prompts():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_response_length_includes_the_first_eos_only():
+    eos = 2
+    responses = torch.tensor([[4, 2, 5, 2], [4, 4, 4, 4], [2, 0, 0, 0]])
+    assert response_lengths(responses, eos).tolist() == [2, 4, 1]
+
+
+def engine_and_policy(model_dir, temperature=1.0, response_length=6):
+    cfg = Config()
+    cfg = dataclasses.replace(
+        cfg,
+        model=ModelConfig(path=str(model_dir)),
+        rollout=RolloutConfig(temperature=temperature, response_length=response_length, n=4),
+    )
+    return cfg, HFEngine(cfg.model, cfg.rollout, CPU), Policy(cfg, CPU)
+
+
+def test_responses_are_padded_after_eos_and_within_length(tiny_model_dir):
+    cfg, engine, _ = engine_and_policy(tiny_model_dir)
+    torch.manual_seed(0)
+    gens = engine.generate([engine.encode("1 2 ="), engine.encode("3 =")], n=4)
+    for gen in gens:
+        assert gen.response_ids.shape == (4, 6) and gen.log_probs.shape == (4, 6)
+        for ids, length, lp in zip(
+            gen.response_ids, gen.response_lengths, gen.log_probs, strict=True
+        ):
+            assert 1 <= length <= 6
+            assert (ids[length:] == engine.pad_id).all() and (lp[length:] == 0).all()
+            assert (lp[:length] < 0).all()
+            eos_positions = np.flatnonzero(ids[:length] == engine.eos_id)
+            assert eos_positions.size == 0 or eos_positions.tolist() == [length - 1]
+
+
+def test_rollout_log_probs_match_the_trainers_recomputation(tiny_model_dir):
+    """Same weights, same tokens: the behaviour log-probs equal the trainer's (fp32, 1e-5)."""
+    for temperature in (1.0, 0.7):
+        cfg, engine, policy = engine_and_policy(tiny_model_dir, temperature=temperature)
+        torch.manual_seed(1)
+        prompts = [engine.encode("1 2 3 4 ="), engine.encode("9 ="), engine.encode("5 5 =")]
+        gens = engine.generate(prompts, n=4)
+        groups = [
+            SampleGroup(
+                seed=0,
+                epoch=0,
+                prompt_index=i,
+                rollout_rank=0,
+                param_version_start=0,
+                param_version_end=0,
+                prompt_ids=np.asarray(p, dtype=np.int32),
+                response_ids=g.response_ids,
+                response_lengths=g.response_lengths,
+                rollout_log_probs=g.log_probs,
+                rewards=np.zeros(4, dtype=np.float32),
+            )  # fmt: skip
+            for i, (p, g) in enumerate(zip(prompts, gens, strict=True))
+        ]
+        batch = to_tensors(collate(groups, np.zeros((3, 4), dtype=np.float32), engine.pad_id), CPU)
+        with torch.no_grad():
+            trainer_lp, _, _ = policy.forward(policy.model, batch)
+        mask = batch["response_mask"].bool()
+        diff = (trainer_lp - batch["rollout_log_probs"]).abs()[mask]
+        assert diff.max().item() < 1e-5, f"temperature {temperature}: max diff {diff.max().item()}"
+
+
+def test_loaded_weights_change_the_engine(tiny_model_dir):
+    _, engine, policy = engine_and_policy(tiny_model_dir)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(0.5)
+    engine.load_weights({n: t.clone() for n, t in policy.named_weights()})
+    for (name, mine), (_, theirs) in zip(
+        engine.named_parameters(), policy.named_weights(), strict=True
+    ):
+        assert torch.equal(mine, theirs), name
+
+
+def test_mismatched_weights_are_refused(tiny_model_dir):
+    _, engine, policy = engine_and_policy(tiny_model_dir)
+    tensors = {n: t.clone() for n, t in policy.named_weights()}
+    name = next(iter(tensors))
+    tensors[name] = torch.zeros(3, 3)
+    try:
+        engine.load_weights(tensors)
+    except ValueError as exc:
+        assert name in str(exc)
+    else:
+        raise AssertionError("a wrongly shaped tensor was accepted")

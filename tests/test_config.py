@@ -1,0 +1,113 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_asyncppo.config import CONFIG_DIR, Config, ConfigError, load_config, load_resolved, to_yaml
+
+
+def test_defaults_validate_and_derive_verl_quantities():
+    cfg = load_config()
+    assert cfg.required_groups == cfg.actor.ppo_mini_batch_size * cfg.async_training.require_batches
+    # verl: required * (1 + staleness_threshold) * trigger_parameter_sync_step = 16 * 1.1 * 4
+    assert cfg.max_required_groups == 70
+    assert cfg.sync_every == 4
+
+
+def test_sync_mode_is_on_policy_whatever_the_async_knobs_say():
+    cfg = load_config(
+        overrides=["async_training.mode=sync", "async_training.staleness_threshold=0.5"]
+    )
+    assert cfg.sync_every == 1
+    assert cfg.max_required_groups == cfg.required_groups
+
+
+def test_override_types_are_converted():
+    cfg = load_config(
+        overrides=["actor.lr=0.5", "async_training.partial_rollout=false", "rollout.n=3"]
+    )
+    assert cfg.actor.lr == 0.5 and cfg.rollout.n == 3
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("actor.lrr=1", "unknown config key 'actor.lrr'"),
+        ("bogus=1", "unknown config key 'bogus'"),
+        ("actor.lr=abc", "invalid value for config key 'actor.lr'"),
+        (
+            "async_training.mode=chaos",
+            "async_training.mode='chaos' is not one of: fully_async, sync",
+        ),
+        ("rollout.n=0", "rollout.n=0 must be >= 1"),
+        ("actor.clip_ratio_c=1", "actor.clip_ratio_c=1.0 must be > 1"),
+        ("rollout.top_p=1.5", "rollout.top_p=1.5 must be <= 1.0"),
+        ("async_training.staleness_threshold=-0.1", "must be >= 0"),
+        ("actor.loss_agg_mode=mean", "token-mean, seq-mean-token-sum, seq-mean-token-mean"),
+    ],
+)
+def test_bad_values_name_the_key(override, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[override])
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_key_lists_the_valid_ones():
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["async_training.staleness=0.2"])
+    assert "staleness_threshold" in str(info.value) and "trigger_parameter_sync_step" in str(
+        info.value
+    )
+
+
+def test_unknown_key_in_yaml_names_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("actor:\n  lr: 0.1\n  nope: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'actor.nope' \(in .*bad.yaml\)"):
+        load_config(bad)
+
+
+def test_batch_must_split_over_trainer_ranks():
+    # 16 prompts x 8 responses = 128 samples: fine for 2 trainer ranks, not for 3
+    load_config(train_ranks=2)
+    with pytest.raises(ConfigError, match="do not split evenly over 3 trainer ranks"):
+        load_config(train_ranks=3)
+
+
+def test_every_shipped_yaml_loads(tmp_path):
+    shipped = sorted(CONFIG_DIR.glob("*.yaml"))
+    for path in shipped:
+        load_config(path)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(overrides=["actor.lr=0.25", "model.path=/x"])
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_resolved(path) == cfg
+    assert isinstance(load_resolved(path), Config)
+
+
+def test_cli_rejects_bad_key_in_one_line_before_any_rank_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hpc_asyncppo.submit",
+            "--cluster",
+            "local",
+            "--run-dir",
+            str(run_dir),
+            "actor.lrr=1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[1],
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert "unknown config key 'actor.lrr'" in proc.stderr
+    assert not run_dir.exists()

@@ -1,0 +1,74 @@
+import pytest
+
+from hpc_asyncppo.config import ConfigError, DataConfig
+from hpc_asyncppo.tasks import Prompt, load_task
+from hpc_asyncppo.tasks.jsonl import DatasetError
+from hpc_asyncppo.tasks.next_digit import NextDigitTask
+
+
+def test_next_digit_prompts_are_deterministic_and_answer_the_last_digit():
+    a, b = NextDigitTask(DataConfig(num_prompts=50)), NextDigitTask(DataConfig(num_prompts=50))
+    assert a.prompts() == b.prompts()
+    for p in a.prompts():
+        digits = p.text.split()
+        assert digits[-1] == "=" and 2 <= len(digits) - 1 <= 5
+        assert p.ground_truth == str((int(digits[-2]) + 1) % 10)
+
+
+@pytest.mark.parametrize(
+    ("response", "reward"),
+    [
+        ("5 5 5 5", 1.0),
+        ("5 5 5 5 5 5", 1.0),
+        ("5 5", 0.5),
+        ("4 5 4 5", 0.5),
+        ("", 0.0),
+        ("1 2 3 4", 0.0),
+    ],
+)
+def test_next_digit_reward(response, reward):
+    task = NextDigitTask(DataConfig(num_prompts=1))
+    assert task.reward(Prompt(0, "3 4 =", "5"), response) == reward
+
+
+def reward_exact(prompt: Prompt, response_text: str) -> float:
+    return float(response_text.strip() == prompt.ground_truth)
+
+
+def test_jsonl_task_with_a_user_reward(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text(
+        '{"prompt": "1 =", "ground_truth": "2"}\n\n{"prompt": "8 =", "ground_truth": "9"}\n'
+    )
+    task = load_task(
+        DataConfig(task="jsonl", train=str(path), reward_fn=f"{__name__}:reward_exact")
+    )
+    assert [p.text for p in task.prompts()] == ["1 =", "8 ="]
+    assert task.reward(task.prompts()[1], " 9 ") == 1.0
+    assert sorted(task.vocabulary()) == ["1", "2", "8", "9", "="]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", r"data.jsonl:2: not valid JSON"),
+        ('{"prompt": "x"}', r"data.jsonl:2: field 'ground_truth' missing or not a string"),
+        (
+            '{"prompt": 3, "ground_truth": "1"}',
+            r"data.jsonl:2: field 'prompt' missing or not a string",
+        ),
+        ("[1, 2]", r"data.jsonl:2: a row must be a JSON object"),
+    ],
+)
+def test_malformed_rows_name_file_line_and_field(tmp_path, line, message):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "1 =", "ground_truth": "2"}\n' + line + "\n")
+    with pytest.raises(DatasetError, match=message):
+        load_task(DataConfig(task="jsonl", train=str(path), reward_fn=f"{__name__}:reward_exact"))
+
+
+def test_unknown_task_and_bad_import_paths_are_config_errors():
+    with pytest.raises(ConfigError, match="not a registered task"):
+        load_task(DataConfig(task="nope"))
+    with pytest.raises(ConfigError, match="data.reward_fn='no.such.module:f' cannot be imported"):
+        load_task(DataConfig(reward_fn="no.such.module:f"))

@@ -1,0 +1,86 @@
+import numpy as np
+import pytest
+
+from hpc_asyncppo.transport.arrays import WireError, pack_arrays, unpack_arrays
+from hpc_asyncppo.transport.samples import SampleGroup, decode_group, encode_group
+
+
+def make_group(n=3, length=5, prompt=4) -> SampleGroup:
+    rng = np.random.default_rng(0)
+    return SampleGroup(
+        seed=7,
+        epoch=2,
+        prompt_index=1234,
+        rollout_rank=1,
+        param_version_start=5,
+        param_version_end=6,
+        prompt_ids=rng.integers(0, 100, prompt).astype(np.int32),
+        response_ids=rng.integers(0, 100, (n, length)).astype(np.int32),
+        response_lengths=np.array([5, 2, 1][:n], dtype=np.int32),
+        rollout_log_probs=rng.normal(size=(n, length)).astype(np.float32),
+        rewards=np.array([0.0, 0.25, 1.0][:n], dtype=np.float32),
+        rollout_idle_s=1.5,
+        rollout_elapsed_s=10.25,
+    )
+
+
+def test_group_round_trip_is_exact():
+    group = make_group()
+    back = decode_group(encode_group(group))
+    for name in (
+        "seed",
+        "epoch",
+        "prompt_index",
+        "rollout_rank",
+        "param_version_start",
+        "param_version_end",
+    ):
+        assert getattr(back, name) == getattr(group, name)
+    assert back.rollout_idle_s == 1.5 and back.rollout_elapsed_s == 10.25
+    for name in ("prompt_ids", "response_ids", "response_lengths", "rollout_log_probs", "rewards"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(group, name))
+        assert getattr(back, name).dtype == getattr(group, name).dtype
+
+
+def test_uids_are_unique_per_response_and_deterministic():
+    group = make_group()
+    assert [group.uid(j) for j in range(3)] == [
+        "s7-e2-p1234-r0",
+        "s7-e2-p1234-r1",
+        "s7-e2-p1234-r2",
+    ]
+
+
+def test_arrays_keep_dtype_shape_and_meta():
+    arrays = {
+        "a": np.arange(6, dtype=np.int64).reshape(2, 3),
+        "b": np.array([1.5], dtype=np.float16),
+        "empty": np.zeros((0, 4), dtype=np.float32),
+        "flags": np.array([True, False]),
+    }
+    buf = pack_arrays(arrays, {"step": 3, "stop": False})
+    assert buf.dtype == np.uint8
+    back, meta = unpack_arrays(buf)
+    assert meta == {"step": 3, "stop": False}
+    for k, v in arrays.items():
+        np.testing.assert_array_equal(back[k], v)
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape
+
+
+def test_object_arrays_never_travel():
+    with pytest.raises(TypeError, match="only numeric arrays"):
+        pack_arrays({"x": np.array([object()])})
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda b: b[:3], "bad magic"),
+        (lambda b: np.concatenate([np.frombuffer(b"XXXX", np.uint8), b[4:]]), "bad magic"),
+        (lambda b: b[:-8], "runs past the end"),
+    ],
+)
+def test_malformed_buffers_are_rejected(mutate, message):
+    buf = encode_group(make_group())
+    with pytest.raises(WireError, match=message):
+        decode_group(mutate(buf))
