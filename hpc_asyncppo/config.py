@@ -135,6 +135,24 @@ class TrainerConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    save_every: int = (
+        50  # trainer steps between checkpoints (RUN_DIR/checkpoints); 0: none periodic
+    )
+    keep: int = 3  # newest checkpoints kept
+    save_final: bool = (
+        True  # also checkpoint when the run ends (so it can be extended with --resume)
+    )
+
+
+@dataclass
+class BufferConfig:
+    memory_limit_mb: float = (
+        512.0  # trainer sample queue held in memory; beyond it, spill to RUN_DIR/overflow.h5
+    )
+
+
+@dataclass
 class TimeoutConfig:
     sample_wait_s: float = 300.0  # trainer waiting for samples longer than this is an error
     weight_sync_s: float = 300.0  # a weight broadcast or its announcement taking longer is an error
@@ -151,6 +169,8 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
@@ -228,6 +248,9 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "async_training.max_staleness": (0, False),
     "trainer.total_steps": (1, False),
     "trainer.weight_sync_bucket_mb": (1, False),
+    "checkpoint.save_every": (0, False),
+    "checkpoint.keep": (1, False),
+    "buffer.memory_limit_mb": (0, False),
     "timeouts.sample_wait_s": (0, True),
     "timeouts.weight_sync_s": (0, True),
     "timeouts.rank_wait_s": (0, True),

@@ -1,6 +1,10 @@
 """What a run writes into its run directory, and how to read it back.
 
-- ``metrics.jsonl``: one JSON object per trainer step (written by the trainer leader).
+- ``metrics.jsonl``: one JSON object per trainer step (written by the trainer leader),
+  each with ``time/unix``, the wall-clock time it was written. A resumed run appends rows
+  from its checkpoint's step on: readers keep the last row of each step.
+- ``tensorboard/``: the same metrics as TensorBoard event files, when the ``tensorboard``
+  package is installed (nothing is written without it).
 - ``trained_samples.jsonl``: one line per response trained on (uid, step, versions,
   staleness, reward); ``dropped_samples.jsonl`` likewise with a ``reason``. Together the
   audit trail for staleness bounds and exactly-once accounting.
@@ -12,14 +16,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
 METRICS = "metrics.jsonl"
 TRAINED = "trained_samples.jsonl"
 DROPPED = "dropped_samples.jsonl"
+TENSORBOARD = "tensorboard"
 
 
 class JsonlWriter:
@@ -28,6 +34,7 @@ class JsonlWriter:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a")
+        end_torn_line(path, self._file)
 
     def write(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:
@@ -36,6 +43,50 @@ class JsonlWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+class MetricsWriter:
+    """metrics.jsonl, and the same scalars to TensorBoard when it is installed."""
+
+    def __init__(self, run_dir: Path):
+        self._jsonl = JsonlWriter(run_dir / METRICS)
+        self._tensorboard = _tensorboard_writer(run_dir / TENSORBOARD)
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        now = time.time()
+        rows = [{**row, "time/unix": row.get("time/unix", now)} for row in rows]
+        self._jsonl.write(rows)
+        if self._tensorboard is not None:
+            for row in rows:
+                for key, value in row.items():
+                    if key not in ("step", "time/unix") and isinstance(value, (int, float)):
+                        self._tensorboard.add_scalar(key, value, row["step"], row["time/unix"])
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def _tensorboard_writer(log_dir: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return None
+    # Flushed every few seconds so a live or killed run's curves are there to look at.
+    return SummaryWriter(str(log_dir), flush_secs=5)
+
+
+def end_torn_line(path: Path, file: TextIO) -> None:
+    """A killed run may have left half a line: end it, so that a resumed run's first row
+    is not glued to it (readers skip the torn line alone)."""
+    with path.open("rb") as f:
+        if f.seek(0, 2) == 0:  # empty
+            return
+        f.seek(-1, 2)
+        torn = f.read(1) != b"\n"
+    if torn:
+        file.write("\n")
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -65,3 +116,16 @@ def record_weight_digest(
     writer = JsonlWriter(run_dir / "weights" / f"rank{rank}.jsonl")
     writer.write([{"version": version, "digest": weights_digest(named)}])
     writer.close()
+
+
+def truncate_to_step(run_dir: Path, step: int) -> None:
+    """Keep only the rows of steps <= ``step`` in the metrics and sample logs (a resume from
+    the checkpoint of ``step`` trains the later steps again and logs them anew)."""
+    for name in (METRICS, TRAINED, DROPPED):
+        path = run_dir / name
+        if not path.exists():
+            continue
+        kept = [row for row in read_jsonl(path) if row["step"] <= step]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        tmp.replace(path)

@@ -4,17 +4,24 @@
 submits one heterogeneous Slurm job. Everything after the flags is a config override
 (omegaconf dotted keys). The config is loaded and validated before anything starts: a bad
 key or value is one line on stderr and exit code 2.
+
+``--resume RUN_DIR`` starts the same run again: the ranks continue from its newest valid
+checkpoint (or from scratch if it has none), with its config.yaml plus any overrides given
+(e.g. ``trainer.total_steps=600`` to train longer).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
-from hpc_asyncppo.config import ConfigError, load_config
-from hpc_asyncppo.launch.rundir import default_run_dir, prepare_run_dir
+from hpc_asyncppo.config import ConfigError, load_config, to_yaml
+from hpc_asyncppo.launch.rundir import CONFIG, default_run_dir, prepare_run_dir
 from hpc_asyncppo.launch.slurm import cli as slurm_cli
+
+LAUNCH = "launch.json"  # RUN_DIR/launch.json: where and with how many ranks the run was started
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -33,14 +40,71 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="run directory (default: runs/<time>-<task>-<mode>)",
     )
     parser.add_argument(
-        "--rollout-ranks", type=int, default=1, help="local: rollout ranks (default 1)"
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="RUN_DIR",
+        help="continue this run from its newest valid checkpoint",
     )
     parser.add_argument(
-        "--train-ranks", type=int, default=1, help="local: trainer ranks (default 1)"
+        "--rollout-ranks",
+        type=int,
+        default=None,
+        help="local: rollout ranks (default 1, or the resumed run's)",
+    )
+    parser.add_argument(
+        "--train-ranks",
+        type=int,
+        default=None,
+        help="local: trainer ranks (default 1, or the resumed run's)",
     )
     slurm_cli.add_arguments(parser)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return parser.parse_args(argv)
+
+
+def local_rank_counts(args: argparse.Namespace) -> tuple[int, int]:
+    """--rollout-ranks/--train-ranks, else the resumed run's counts, else 1 and 1."""
+    previous = {}
+    if args.resume is not None and (args.resume / LAUNCH).is_file():
+        previous = json.loads((args.resume / LAUNCH).read_text())
+    return (
+        args.rollout_ranks or previous.get("rollout_ranks", 1),
+        args.train_ranks or previous.get("train_ranks", 1),
+    )
+
+
+def base_config(args: argparse.Namespace) -> str | Path | None:
+    """The YAML the overrides apply to: --config, or the resumed run's own config.yaml."""
+    if args.resume is None:
+        return args.config
+    if args.config or args.run_dir:
+        raise ConfigError(
+            "--resume RUN_DIR takes the run's own config.yaml: drop --config and --run-dir"
+        )
+    if not (args.resume / CONFIG).is_file():
+        raise ConfigError(
+            f"--resume {args.resume}: no {CONFIG} there, so it is not a run directory"
+        )
+    return args.resume / CONFIG
+
+
+def report_resume_point(run_dir: Path) -> None:
+    """Say which checkpoint the job will resume from, one line per corrupt one skipped;
+    ConfigError if there are checkpoints and none is valid (before any rank starts)."""
+    from hpc_asyncppo.checkpoint.store import latest_valid_checkpoint, list_checkpoints
+
+    found = latest_valid_checkpoint(
+        run_dir, lambda line: print(f"warning: {line}", file=sys.stderr)
+    )
+    if found is not None:
+        print(f"resuming from {found}", flush=True)
+    elif list_checkpoints(run_dir):
+        raise ConfigError(
+            f"no valid checkpoint in {run_dir / 'checkpoints'} (see the warnings above)"
+        )
+    else:
+        print(f"no checkpoint in {run_dir}: starting it over", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,25 +113,39 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()
     try:
-        overrides = list(args.overrides)
-        if args.cluster == "slurm":
-            overrides += slurm_cli.flag_overrides(args)
-        cfg = load_config(args.config, overrides)
+        # A flag is a shortcut for a config key; an explicit key=value wins over it.
+        flags = slurm_cli.flag_overrides(args) if args.cluster == "slurm" else []
+        overrides = flags + list(args.overrides)
+        base = base_config(args)
+        cfg = load_config(base, overrides)
         if args.cluster == "local":
-            rollout_ranks, train_ranks = args.rollout_ranks, args.train_ranks
+            rollout_ranks, train_ranks = local_rank_counts(args)
         else:
             rollout_ranks, train_ranks = slurm_cli.rank_counts(cfg)
-        cfg = load_config(args.config, overrides, rollout_ranks, train_ranks)
+        cfg = load_config(base, overrides, rollout_ranks, train_ranks)
         if args.cluster == "slurm":
-            slurm_cli.check_submittable(
-                cfg, args
-            )  # partitions, sizes, sbatch: before anything is written
-        run_dir = args.run_dir or default_run_dir(cfg)
-        cfg = prepare_run_dir(cfg, run_dir)
+            # partitions, sizes, sbatch: checked before anything is written
+            slurm_cli.check_submittable(cfg, args)
+        root = cfg.slurm.run_root if args.cluster == "slurm" else "runs"
+        run_dir = (args.resume or args.run_dir or default_run_dir(cfg, root)).resolve()
+        if getattr(args, "dry_run", False):
+            from hpc_asyncppo.launch.slurm.submit import submit_slurm
+
+            return submit_slurm(cfg, run_dir, args)  # prints the script; writes nothing
+        if args.resume is not None:
+            report_resume_point(run_dir)
+            (run_dir / CONFIG).write_text(to_yaml(cfg))
+        else:
+            cfg = prepare_run_dir(cfg, run_dir)
+        launch = {
+            "cluster": args.cluster,
+            "rollout_ranks": rollout_ranks,
+            "train_ranks": train_ranks,
+        }
+        (run_dir / LAUNCH).write_text(json.dumps(launch) + "\n")
     except (ConfigError, FileExistsError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    run_dir = run_dir.resolve()
     print(f"run directory: {run_dir}", flush=True)
     if args.cluster == "local":
         from hpc_asyncppo.launch.local import run_local

@@ -5,6 +5,7 @@ The same per-rank entry point as under Slurm; rollout ranks are world ranks [0, 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -15,11 +16,16 @@ from pathlib import Path
 
 from hpc_asyncppo.config import Config, ConfigError
 from hpc_asyncppo.launch.progress import follow
-from hpc_asyncppo.launch.rundir import rank_errors, read_rank_info
+from hpc_asyncppo.launch.rundir import PREEMPTED, rank_errors, read_rank_info
+
+# Set by an MPI runtime for its own processes: a launcher that inherits them (started from a
+# process that ran MPI_Init, or from inside a Slurm step) makes mpirun fail without a word.
+_RUNTIME_VARIABLES = ("PMIX_", "ORTE_", "OMPI_COMM_WORLD", "OMPI_APP_CTX", "OMPI_UNIVERSE",
+                      "OMPI_FIRST_RANKS", "OMPI_MCA_orte_", "OMPI_MCA_ess", "OMPI_MCA_pmix")  # fmt: skip
 
 
 def local_environment(rollout_ranks: int) -> dict[str, str]:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_RUNTIME_VARIABLES)}
     env.update(
         {
             "HPC_ASYNCPPO_ROLLOUT_RANKS": str(rollout_ranks),
@@ -75,20 +81,53 @@ def explain_failure(run_dir: Path, rollout_ranks: int, mpirun_log: str) -> list[
 
 
 def run_local(cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int) -> int:
-    """Run the job under mpirun, showing progress; returns the exit code for the CLI."""
+    """Run the job under mpirun, showing progress; returns the exit code for the CLI.
+
+    Ctrl-C or SIGTERM asks the job to stop cleanly: the launcher sends mpirun SIGUSR2, which
+    it forwards to every rank, and the trainer leader checkpoints at the next step boundary
+    and stops the others. A second Ctrl-C kills the job at once.
+    """
     log_path = run_dir / "logs" / "mpirun.log"
     cmd = mpirun_command(run_dir, rollout_ranks, train_ranks)
-    with log_path.open("w") as log:
+    received: list[int] = []
+
+    def ask_to_stop(signum: int, frame: object) -> None:
+        if received:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            print(
+                f"\n{signal.Signals(signum).name}: asking the job to checkpoint and stop",
+                file=sys.stderr,
+            )
+            proc.send_signal(signal.SIGUSR2)
+        received.append(signum)
+
+    with log_path.open("a") as log:
+        # Its own session: a terminal's Ctrl-C reaches only this launcher, which asks for
+        # a clean stop, instead of killing mpirun and every rank mid-step.
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=local_environment(rollout_ranks)
+            cmd,
+            stdin=subprocess.DEVNULL,  # mpirun forwards stdin to rank 0; in its own session a tty would stop it
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=local_environment(rollout_ranks),
+            start_new_session=True,
         )
+        previous = {sig: signal.signal(sig, ask_to_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             follow(run_dir, lambda: proc.poll() is None, cfg.trainer.total_steps)
-        except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=60)
-            print("interrupted", file=sys.stderr)
-            return 130
+            proc.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    preempted = run_dir / PREEMPTED
+    if proc.returncode == 0 and preempted.exists():
+        step = json.loads(preempted.read_text())["step"]
+        print(f"stopped at step {step} with a checkpoint; continue with:", file=sys.stderr)
+        print(
+            f"  python -m hpc_asyncppo.submit --cluster local --resume {run_dir}", file=sys.stderr
+        )
+        return 128 + received[0] if received else 1
     if proc.returncode == 0:
         return 0
     print(

@@ -1,7 +1,8 @@
 """Follow a run from its metrics.jsonl and show progress to the user who launched it.
 
-On a terminal: one line rewritten in place. Otherwise (batch logs, pipes): a plain line
-every tenth of the run, so logs stay readable.
+On a terminal: a progress bar over the steps with reward, throughput, staleness, queue
+depth and who waits. Otherwise (batch logs, pipes): a plain line every tenth of the run,
+so logs stay readable. A resumed run's earlier rows set the starting point silently.
 """
 
 from __future__ import annotations
@@ -11,47 +12,118 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 from hpc_asyncppo.runlog import METRICS
 
 
 def describe(row: dict, total_steps: int) -> str:
+    """One plain line: where the run is and how it is doing."""
+    return f"step {row['step']}/{total_steps}  v{row['param_version']}  " + postfix(row)
+
+
+def postfix(row: dict) -> str:
+    """The metrics part of a progress line (beside the bar on a terminal)."""
     return (
-        f"step {row['step']}/{total_steps}  v{row['param_version']}  "
         f"reward {row['reward/mean']:.3f}  staleness {row['staleness/mean']:.2f} (max {row['staleness/max']})  "
         f"{row['throughput/samples_per_s']:.1f} samples/s  queue {row.get('queue/groups', 0)}  "
         f"idle trainer {row['trainer/idle_ratio']:.0%} rollout {row['rollouter/idle_ratio']:.0%}"
     )
 
 
+class MetricsTail:
+    """The complete rows appended to metrics.jsonl since the last read."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+
+    def new_rows(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        rows = []
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break  # a line still being written
+                self.offset += len(line)
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        return rows
+
+
+class PlainLines:
+    """A line every tenth of the run and at the last step."""
+
+    def __init__(self, total_steps: int, stream: TextIO):
+        self.total, self.stream = total_steps, stream
+        self.every = max(1, total_steps // 10)
+        self.printed_step = 0
+
+    def start(self, last: dict | None) -> None:
+        if last is not None:
+            self.printed_step = last["step"]
+            print(f"resuming at step {last['step']}/{self.total}", file=self.stream, flush=True)
+
+    def update(self, row: dict) -> None:
+        if abs(row["step"] - self.printed_step) >= self.every or row["step"] == self.total:
+            print(describe(row, self.total), file=self.stream, flush=True)
+            self.printed_step = row["step"]
+
+    def close(self) -> None:
+        pass
+
+
+class Bar:
+    """A tqdm bar over the steps, the latest metrics beside it."""
+
+    def __init__(self, total_steps: int, stream: TextIO):
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=total_steps, unit="step", file=stream, dynamic_ncols=True, smoothing=0.1
+        )
+        self.bar.set_postfix_str("waiting for the first step (ranks starting)")
+
+    def start(self, last: dict | None) -> None:
+        if last is not None:
+            self.bar.n = self.bar.initial = last["step"]
+            self.update(last)
+
+    def update(self, row: dict) -> None:
+        self.bar.n = row["step"]
+        self.bar.set_postfix_str(f"v{row['param_version']}  " + postfix(row), refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def follow(
-    run_dir: Path, is_running: Callable[[], bool], total_steps: int, poll_s: float = 1.0
+    run_dir: Path,
+    is_running: Callable[[], bool],
+    total_steps: int,
+    poll_s: float = 1.0,
+    stream: TextIO | None = None,
 ) -> dict | None:
-    """Print progress until ``is_running()`` is false; returns the last metrics row seen."""
-    path = run_dir / METRICS
-    tty = sys.stdout.isatty()
-    offset, last, printed_step = 0, None, 0
-    every = max(1, total_steps // 10)
-    while True:
-        running = is_running()
-        if path.exists():
-            with path.open() as f:
-                f.seek(offset)
-                for line in f:
-                    if not line.endswith("\n"):
-                        break  # a line still being written
-                    offset += len(line.encode())
-                    last = json.loads(line)
-                    if not tty and (
-                        last["step"] - printed_step >= every or last["step"] == total_steps
-                    ):
-                        print(describe(last, total_steps), flush=True)
-                        printed_step = last["step"]
-            if tty and last is not None:
-                print("\r" + describe(last, total_steps) + "\033[K", end="", flush=True)
-        if not running:
-            break
-        time.sleep(poll_s)
-    if tty and last is not None:
-        print()
+    """Show progress until ``is_running()`` is false; returns the last metrics row seen."""
+    stream = sys.stdout if stream is None else stream
+    tail = MetricsTail(run_dir / METRICS)
+    history = tail.new_rows()  # a resumed run's earlier rows
+    last = history[-1] if history else None
+    display = Bar(total_steps, stream) if stream.isatty() else PlainLines(total_steps, stream)
+    display.start(last)
+    try:
+        while True:
+            running = is_running()
+            for row in tail.new_rows():
+                display.update(row)
+                last = row
+            if not running:
+                break
+            time.sleep(poll_s)
+    finally:
+        display.close()
     return last

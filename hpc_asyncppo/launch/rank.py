@@ -25,8 +25,10 @@ def main(argv: list[str]) -> int:
     from mpi4py import MPI
 
     from hpc_asyncppo.launch.rundir import write_rank_error, write_rank_info
+    from hpc_asyncppo.launch.signals import install_stop_handlers
     from hpc_asyncppo.launch.topology import ROLLOUT, role_of, rollout_rank_count
 
+    install_stop_handlers()  # first: a warning signal during start-up must not kill the rank
     rank = MPI.COMM_WORLD.Get_rank()
     role = "unknown"
     logging.basicConfig(
@@ -40,26 +42,31 @@ def main(argv: list[str]) -> int:
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
+        from hpc_asyncppo.checkpoint.resume import find_resume_checkpoint
         from hpc_asyncppo.config import load_resolved
         from hpc_asyncppo.launch.topology import build_topology, close_topology
 
         cfg = load_resolved(run_dir / "config.yaml")
         topo = build_topology(rollout_rank_count(), cfg.timeouts.weight_sync_s)
+        checkpoint = find_resume_checkpoint(run_dir, topo)
         write_rank_info(run_dir, rank, role, "running")
         if role == ROLLOUT:
             from hpc_asyncppo.rollout.rollouter import run_rollouter
 
-            run_rollouter(cfg, topo, run_dir)
+            run_rollouter(cfg, topo, run_dir, checkpoint[1] if checkpoint else None)
         else:
             from hpc_asyncppo.trainer.trainer import run_trainer
 
-            run_trainer(cfg, topo, run_dir)
+            run_trainer(cfg, topo, run_dir, checkpoint)
         close_topology(topo)
         write_rank_info(run_dir, rank, role, "done")
         return 0
     except BaseException as exc:  # noqa: BLE001 - every failure must end the whole job
         logging.getLogger(__name__).error("rank %d failed:\n%s", rank, traceback.format_exc())
-        message = f"rank {rank} ({role}, {socket.gethostname()}): {type(exc).__name__}: {exc}"
+        host = (
+            os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        )  # emulated nodes share a hostname
+        message = f"rank {rank} ({role}, {host}): {type(exc).__name__}: {exc}"
         write_rank_error(run_dir, rank, message + "\n\n" + traceback.format_exc())
         print(message, file=sys.stderr, flush=True)
         write_rank_info(run_dir, rank, role, "failed")

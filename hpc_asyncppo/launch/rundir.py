@@ -5,6 +5,8 @@ RUN_DIR/model/             the tiny default model, when model.path was empty
 RUN_DIR/ranks/rank{i}.json where each rank ran (host, Slurm partition, pid) and its state
 RUN_DIR/errors/rank{i}.txt one line per failed rank: what went wrong
 RUN_DIR/logs/              per-rank logs and the launcher's log
+RUN_DIR/checkpoints/       HDF5 checkpoints (hpc_asyncppo.checkpoint)
+RUN_DIR/preempted          present while the run is stopped on a signal with a checkpoint, to resume
 """
 
 from __future__ import annotations
@@ -12,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
 from hpc_asyncppo.config import Config, to_yaml
 
 CONFIG = "config.yaml"
+PREEMPTED = "preempted"
 
 
 def default_run_dir(cfg: Config, root: str | Path = "runs") -> Path:
@@ -52,13 +54,12 @@ def prepare_run_dir(cfg: Config, run_dir: Path) -> Config:
 
 
 def write_rank_info(run_dir: Path, rank: int, role: str, state: str) -> None:
+    from hpc_asyncppo.launch.slurm.placement import slurm_placement
+
     info = {
         "rank": rank,
         "role": role,
-        "host": socket.gethostname(),
-        "slurm_node": os.environ.get("SLURMD_NODENAME"),
-        "slurm_partition": os.environ.get("SLURM_JOB_PARTITION"),
-        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        **slurm_placement(rank),  # host, and under Slurm the node, partition, job, het group
         "pid": os.getpid(),
         "state": state,
         "time": time.time(),

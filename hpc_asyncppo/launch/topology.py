@@ -75,11 +75,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _bcast_text(world: MPI.Intracomm, text: str, root: int) -> str:
+def bcast_text(world: MPI.Intracomm, text: str, root: int) -> str:
     """Broadcast a short string as bytes (no pickle)."""
-    buf = np.zeros(256, dtype=np.uint8)
+    buf = np.zeros(4096, dtype=np.uint8)
     if world.Get_rank() == root:
         raw = text.encode()
+        if len(raw) > buf.size:
+            raise ValueError(f"cannot broadcast {len(raw)} bytes of text (at most {buf.size})")
         buf[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
     world.Bcast([buf, MPI.BYTE], root=root)
     return buf.tobytes().rstrip(b"\0").decode()
@@ -107,7 +109,7 @@ def build_topology(rollout_ranks: int, timeout_s: float) -> Topology:
     inter = local.Create_intercomm(0, world, remote_leader, tag=7)
 
     leader = rollout_ranks
-    address = _bcast_text(
+    address = bcast_text(
         world, f"{_rendezvous_host()}:{_free_port()}" if rank == leader else "", root=leader
     )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -123,6 +125,11 @@ def build_topology(rollout_ranks: int, timeout_s: float) -> Topology:
     trainer_group = dist.new_group(trainer_ranks)
     sync_group = dist.new_group([leader, *range(rollout_ranks)])
     if torch.cuda.is_available():
+        # One rank per GPU: srun with several tasks per node binds none, so pick by local rank.
+        local_rank = (
+            os.environ.get("SLURM_LOCALID") or os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK") or "0"
+        )
+        torch.cuda.set_device(int(local_rank) % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")

@@ -9,57 +9,29 @@ whole flow and staleness control: a rank never generates what it was not granted
 from __future__ import annotations
 
 import logging
-import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from hpc_asyncppo.checkpoint.rank_state import encode_rank_state
+from hpc_asyncppo.checkpoint.store import set_rng_state
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.launch.topology import Topology
+from hpc_asyncppo.rollout.cursor import PromptCursor
 from hpc_asyncppo.rollout.hf_engine import HFEngine
 from hpc_asyncppo.runlog import record_weight_digest
 from hpc_asyncppo.tasks import Prompt, Task, load_task
+from hpc_asyncppo.timeline import Timeline
 from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleSender
 from hpc_asyncppo.transport.weights import WeightReceiver
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class PromptCursor:
-    """This rank's walk through the prompts: each epoch a seeded shuffle, every R-th prompt.
-
-    Ranks never share a prompt within an epoch, so (seed, epoch, prompt index) is unique.
-    """
-
-    num_prompts: int
-    rank: int
-    num_ranks: int
-    seed: int
-    epoch: int = 0
-    position: int = 0
-
-    def _shard(self) -> list[int]:
-        order = list(range(self.num_prompts))
-        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
-        return order[self.rank :: self.num_ranks]
-
-    def next(self) -> tuple[int, int]:
-        """(epoch, prompt index) of the next prompt."""
-        shard = self._shard()
-        if self.position >= len(shard):
-            self.epoch, self.position = self.epoch + 1, 0
-            shard = self._shard()
-        index = shard[self.position]
-        self.position += 1
-        return self.epoch, index
-
-
 class Rollouter:
-    def __init__(self, cfg: Config, topo: Topology, run_dir: Path):
+    def __init__(self, cfg: Config, topo: Topology, run_dir: Path, resume: dict | None = None):
         self.cfg, self.topo, self.run_dir = cfg, topo, run_dir
         self.rank = topo.world_rank
         self.task: Task = load_task(cfg.data)
@@ -75,6 +47,11 @@ class Rollouter:
         self.idle_s = 0.0
         self.started_at = time.monotonic()
         self._encoded: dict[int, list[int]] = {}
+        self.timeline = Timeline(run_dir, self.rank, "rollout")
+        self._waiting_since: float | None = None  # end of the last wait, if nothing ran since
+        if resume is not None:  # last, so that nothing above draws from the restored RNGs
+            self.cursor.epoch, self.cursor.position = resume["epoch"], resume["position"]
+            set_rng_state(resume["rng"])
 
     def run(self) -> None:
         while True:
@@ -84,11 +61,17 @@ class Rollouter:
             if self.credits == 0 or self.version < 0:
                 self.wait_a_moment()
                 continue
+            self._waiting_since = None
             count = min(self.credits, self.cfg.rollout.prompts_per_generate)
             self.credits -= count
-            for group in self.generate(count):
-                self.sender.send(group)
-        self.sender.finish(self.cfg.timeouts.rank_wait_s)
+            with self.timeline.span("generate"):
+                groups = self.generate(count)
+            with self.timeline.span("send"):
+                for group in groups:
+                    self.sender.send(group)
+        with self.timeline.span("send"):
+            self.sender.finish(self.cfg.timeouts.rank_wait_s)
+        self.timeline.close()
         log.info("rollout rank %d sent %d groups", self.rank, self.sender.groups_sent)
 
     def handle_control(self) -> bool:
@@ -98,31 +81,51 @@ class Rollouter:
                 self.credits += value
             elif kind == Control.SYNC:
                 self.receive_weights(expected=value)
+            elif kind == Control.CHECKPOINT:
+                self.send_state()
             elif kind == Control.STOP:
                 return True
         return False
 
+    def send_state(self) -> None:
+        """For a checkpoint: where this rank is in the data, its RNGs, and what it has sent.
+        Credits not yet used are void: the leader grants them anew after the checkpoint."""
+        self.credits = 0
+        fields = {
+            "epoch": self.cursor.epoch,
+            "position": self.cursor.position,
+            "groups_sent": self.sender.groups_sent,
+        }
+        self.sender.send_state(encode_rank_state(fields), self.cfg.timeouts.rank_wait_s)
+
     def receive_weights(self, expected: int) -> None:
-        start = time.monotonic()
+        self._waiting_since = None
+        start, wall_start = time.monotonic(), time.time()
         version, tensors = self.weights.receive()
         if version != expected:
             raise RuntimeError(
                 f"weight sync announced version {expected} but the broadcast carried {version}"
             )
         self.engine.load_weights(tensors)
-        self.version = version
-        if version == 0:  # time counts from the first sync, as on the trainer
+        if self.version < 0:  # time counts from the first sync, as on the trainer
             self.started_at, self.idle_s = time.monotonic(), 0.0
+        self.version = version
         if self.cfg.trainer.record_weight_digests:
             record_weight_digest(self.run_dir, self.rank, version, self.engine.named_parameters())
         log.info(
             "rank %d: weights v%d loaded in %.3fs", self.rank, version, time.monotonic() - start
         )
+        self.timeline.record("sync", wall_start, time.time(), version=version)
 
     def wait_a_moment(self) -> None:
-        start = time.monotonic()
+        # Idle is the whole no-credit loop, its control polls included: under MPI's
+        # yield_when_idle a poll can give the CPU away for milliseconds.
+        start = time.monotonic() if self._waiting_since is None else self._waiting_since
+        wall_start = time.time()
         time.sleep(0.002)
-        self.idle_s += time.monotonic() - start
+        self._waiting_since = time.monotonic()
+        self.idle_s += self._waiting_since - start
+        self.timeline.record("wait", wall_start, time.time())
 
     def prompt_ids(self, index: int) -> list[int]:
         if index not in self._encoded:
@@ -168,7 +171,14 @@ class Rollouter:
         return groups
 
 
-def run_rollouter(cfg: Config, topo: Topology, run_dir: Path) -> None:
+def run_rollouter(
+    cfg: Config, topo: Topology, run_dir: Path, checkpoint: dict | None = None
+) -> None:
+    """``checkpoint``: the state tree to resume from (None for a fresh start)."""
     torch.set_num_threads(cfg.rollout.torch_threads)
     torch.manual_seed(cfg.trainer.seed * 1000 + topo.world_rank)
-    Rollouter(cfg, topo, run_dir).run()
+    resume = None
+    if checkpoint is not None:
+        key = f"rank{topo.world_rank}"
+        resume = {**checkpoint["rollout"][key], "rng": checkpoint["rng"][key]}
+    Rollouter(cfg, topo, run_dir, resume).run()

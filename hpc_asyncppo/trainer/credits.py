@@ -47,6 +47,11 @@ class CreditController:
         self.queued -= trained + dropped
         self.trained += trained
 
+    def revoke_unused(self) -> None:
+        """Rollout ranks dropped their unused credits (a checkpoint): nothing is in flight."""
+        self.used -= sum(self.in_flight)
+        self.in_flight = [0] * len(self.in_flight)
+
     def synced(self) -> None:
         """A new weight version: the budget restarts from what is still outstanding."""
         self.used = self.outstanding

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from hpc_asyncppo.checkpoint.store import CheckpointError, check_compatible
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.rollout.hf_engine import DTYPES
 from hpc_asyncppo.trainer import algos
@@ -37,6 +38,32 @@ class Policy:
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay
         )
+
+    def state_tree(self) -> dict:
+        """What a checkpoint keeps of the trained model: weights, value head, optimizer."""
+        tree = {
+            "model": {n: p.detach() for n, p in self.model.named_parameters()},
+            "optimizer": self.optimizer.state_dict(),
+        }
+        if self.value_head is not None:
+            tree["value_head"] = {n: p.detach() for n, p in self.value_head.named_parameters()}
+        return tree
+
+    @torch.no_grad()
+    def restore(self, tree: dict, source: str) -> None:
+        """Load ``state_tree()``'s output; CheckpointError naming the first tensor that differs."""
+        parts = [("model", self.model)] + (
+            [("value_head", self.value_head)] if self.value_head else []
+        )
+        for key, module in parts:
+            if key not in tree:
+                raise CheckpointError(
+                    f"checkpoint {source} has no {key!r} (was it written with another algorithm?)"
+                )
+            check_compatible(tree[key], module.named_parameters(), source)
+            for name, param in module.named_parameters():
+                param.copy_(tree[key][name])
+        self.optimizer.load_state_dict(tree["optimizer"])
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The weights rollout ranks need (the LM, not the value head)."""

@@ -1,18 +1,22 @@
 """The trainer ranks' main loop.
 
-The leader (first trainer rank), top to bottom: broadcast version-0 weights; then for each
-step collect ``required_groups`` fresh groups (receiving samples and granting credits while
-it waits; groups older than ``max_staleness`` versions are dropped and recorded), compute
-GRPO advantages over whole groups, hand every trainer rank an equal shard, run the PPO
-update (gradients all-reduced across trainer ranks), log, and every ``sync_every`` steps
-broadcast the weights as a new version. Followers only receive shards and update.
+The leader (first trainer rank), top to bottom: broadcast the weights (version 0, or the
+checkpoint's version on resume); then for each step collect ``required_groups`` fresh groups
+(receiving samples and granting credits while it waits; groups older than ``max_staleness``
+versions are dropped and recorded), compute GRPO advantages over whole groups, hand every
+trainer rank an equal shard, run the PPO update (gradients all-reduced across trainer
+ranks), log, every ``sync_every`` steps broadcast the weights as a new version, and every
+``checkpoint.save_every`` steps write a checkpoint. A stop signal (Slurm's warning signal,
+SIGTERM, the launcher's forwarded Ctrl-C) ends the loop at the next step boundary with a
+checkpoint. Followers only receive shards and update (and send their RNG state for a
+checkpoint).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -20,19 +24,32 @@ import torch
 from mpi4py import MPI
 
 from hpc_asyncppo import runlog
+from hpc_asyncppo.checkpoint.overflow import SpillQueue
+from hpc_asyncppo.checkpoint.rank_state import decode_rank_state, encode_rank_state
+from hpc_asyncppo.checkpoint.store import (
+    checkpoint_path,
+    prune_checkpoints,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from hpc_asyncppo.config import Config
+from hpc_asyncppo.launch.rundir import PREEMPTED
+from hpc_asyncppo.launch.signals import stop_requested
 from hpc_asyncppo.launch.topology import Topology
+from hpc_asyncppo.timeline import Timeline
 from hpc_asyncppo.trainer import algos
 from hpc_asyncppo.trainer.batch import collate, split_rows, to_tensors
 from hpc_asyncppo.trainer.credits import CreditController
 from hpc_asyncppo.trainer.policy import Policy, ppo_update
 from hpc_asyncppo.transport.arrays import pack_arrays, unpack_arrays
-from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleReceiver
+from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleReceiver, decode_group
 from hpc_asyncppo.transport.waits import PeerTimeout, poll_until
 from hpc_asyncppo.transport.weights import WeightBroadcaster
 
 log = logging.getLogger(__name__)
 TAG_SHARD = 21
+TAG_FOLLOWER_STATE = 22
 
 
 def staleness_of(group: SampleGroup, version: int) -> int:
@@ -41,7 +58,9 @@ def staleness_of(group: SampleGroup, version: int) -> int:
 
 
 class TrainerLeader:
-    def __init__(self, cfg: Config, topo: Topology, run_dir: Path, policy: Policy):
+    def __init__(
+        self, cfg: Config, topo: Topology, run_dir: Path, policy: Policy, checkpoint: tuple | None
+    ):
         self.cfg, self.topo, self.run_dir, self.policy = cfg, topo, run_dir, policy
         self.receiver = SampleReceiver(topo.inter)
         self.broadcaster = WeightBroadcaster(
@@ -52,15 +71,22 @@ class TrainerLeader:
             cfg.max_required_groups,
             cfg.trainer.total_steps * cfg.required_groups,
         )
-        self.queue: deque[SampleGroup] = deque()
-        self.version = -1
+        # Encoded groups, oldest first; past buffer.memory_limit_mb they wait on disk.
+        self.queue = SpillQueue(run_dir / "overflow.h5", cfg.buffer.memory_limit_mb)
+        self.version = 0
         self.step = 0
         self.samples_trained = 0
         self.samples_dropped = 0
         self.idle_s = 0.0
+        self.elapsed_before_s = 0.0  # training time of earlier runs of this job (resume)
         self.last_sync_s = 0.0
         self.rollout_idle: dict[int, tuple[float, float]] = {}
-        self.metrics = runlog.JsonlWriter(run_dir / runlog.METRICS)
+        if checkpoint is not None:
+            self.restore(*checkpoint)
+        else:
+            runlog.truncate_to_step(run_dir, 0)  # a --resume with no checkpoint starts over
+        self.metrics = runlog.MetricsWriter(run_dir)
+        self.timeline = Timeline(run_dir, topo.world_rank, "trainer")
         self.trained_log = runlog.JsonlWriter(run_dir / runlog.TRAINED)
         self.dropped_log = runlog.JsonlWriter(run_dir / runlog.DROPPED)
         self.pad_id = policy.model.config.pad_token_id or 0
@@ -68,13 +94,18 @@ class TrainerLeader:
 
     # --- the loop -----------------------------------------------------------------------
     def run(self) -> None:
-        self.sync_weights(0)
+        self.sync_weights(self.version)
         self.started_at = time.monotonic()
+        stopped_by = None
         while self.step < self.cfg.trainer.total_steps:
+            stopped_by = stop_requested()
+            if stopped_by:
+                break
             groups = self.collect_batch()
+            train_start = time.time()
             batch = collate(groups, self.advantages(groups), self.pad_id)
             shards = split_rows(batch, self.topo.train_ranks)
-            self.send_shards(shards[1:], stop=False)
+            self.send_shards(shards[1:], {"step": self.step + 1})
             stats = ppo_update(
                 self.policy,
                 to_tensors(shards[0], self.topo.device),
@@ -83,17 +114,30 @@ class TrainerLeader:
             )
             self.step += 1
             self.record(groups, stats)
+            self.timeline.record("train", train_start, time.time(), step=self.step)
             if self.step % self.cfg.sync_every == 0:
                 self.sync_weights(self.version + 1)
+            if self.cfg.checkpoint.save_every and self.step % self.cfg.checkpoint.save_every == 0:
+                self.checkpoint("periodic")
+        if stopped_by:
+            log.warning("%s received: checkpointing at step %d and stopping", stopped_by, self.step)
+            self.checkpoint(f"signal {stopped_by}")
+            marker = {"step": self.step, "signal": stopped_by, "time": time.time()}
+            (self.run_dir / PREEMPTED).write_text(json.dumps(marker) + "\n")
+        elif self.cfg.checkpoint.save_final and not self.saved_at_this_step():
+            self.checkpoint("final")
         self.shutdown()
 
     # --- the steps ----------------------------------------------------------------------
-    def pump(self) -> None:
-        """Take every arrived group into the queue, then hand out the credits now allowed."""
-        for group in self.receiver.poll():
+    def receive(self) -> None:
+        """Take every group that has arrived into the queue."""
+        for buf in self.receiver.poll():
+            group = decode_group(buf)
             self.credits.received(group.rollout_rank)
             self.rollout_idle[group.rollout_rank] = (group.rollout_idle_s, group.rollout_elapsed_s)
-            self.queue.append(group)
+            self.queue.push(buf)
+
+    def grant(self) -> None:
         for rank, count in enumerate(self.credits.grant()):
             if count:
                 self.receiver.send_control(rank, Control.CREDIT, count)
@@ -101,12 +145,13 @@ class TrainerLeader:
     def collect_batch(self) -> list[SampleGroup]:
         """The next ``required_groups`` groups within the staleness bound, oldest first."""
         batch: list[SampleGroup] = []
-        waited_since = time.monotonic()
+        waited_since, wall_start = time.monotonic(), time.time()
 
         def ready() -> bool:
-            self.pump()
-            while self.queue and len(batch) < self.cfg.required_groups:
-                group = self.queue.popleft()
+            self.receive()
+            self.grant()
+            while len(self.queue) and len(batch) < self.cfg.required_groups:
+                group = decode_group(self.queue.pop())
                 if staleness_of(group, self.version) > self.cfg.async_training.max_staleness:
                     self.drop(group, "stale")
                 else:
@@ -121,6 +166,7 @@ class TrainerLeader:
                 f"groups received per rollout rank: {self.receiver.received_from})"
             ) from None
         self.idle_s += time.monotonic() - waited_since
+        self.timeline.record("wait", wall_start, time.time(), step=self.step + 1)
         self.credits.consumed(trained=len(batch), dropped=0)
         return batch
 
@@ -135,10 +181,11 @@ class TrainerLeader:
         )
         return algos.grpo_advantages(scores, norm_by_std=norm).numpy()
 
-    def send_shards(self, shards: list[dict[str, np.ndarray]], stop: bool) -> None:
+    def send_shards(self, shards: list[dict[str, np.ndarray]], meta: dict) -> None:
+        """One message to each follower: its shard, or (empty) a stop or checkpoint order."""
         requests = []
         for follower, shard in enumerate(shards, start=1):
-            buf = pack_arrays(shard, {"stop": stop, "step": self.step + 1})
+            buf = pack_arrays(shard, {"stop": False, "checkpoint": False, **meta})
             requests.append(
                 (self.topo.local.Isend([buf, MPI.BYTE], dest=follower, tag=TAG_SHARD), buf)
             )
@@ -149,6 +196,7 @@ class TrainerLeader:
         )
 
     def sync_weights(self, version: int) -> None:
+        start = time.time()
         self.receiver.broadcast_control(Control.SYNC, version)
         self.last_sync_s = self.broadcaster.broadcast(version, self.policy.named_weights())
         self.version = version
@@ -157,17 +205,20 @@ class TrainerLeader:
             runlog.record_weight_digest(
                 self.run_dir, self.topo.world_rank, version, self.policy.named_weights()
             )
-        self.pump()
+        self.timeline.record("sync", start, time.time(), version=version)
 
     def drop(self, group: SampleGroup, reason: str) -> None:
         self.credits.consumed(trained=0, dropped=1)
         self.samples_dropped += group.n
-        self.dropped_log.write([self.sample_row(group, j, reason=reason) for j in range(group.n)])
+        # Recorded under the step whose batch was being gathered, so that a resume from the
+        # checkpoint of the step before drops (and records) it exactly once.
+        rows = [self.sample_row(group, j, self.step + 1, reason=reason) for j in range(group.n)]
+        self.dropped_log.write(rows)
 
-    def sample_row(self, group: SampleGroup, j: int, **extra: object) -> dict:
+    def sample_row(self, group: SampleGroup, j: int, step: int, **extra: object) -> dict:
         return {
             "uid": group.uid(j),
-            "step": self.step,
+            "step": step,
             "param_version_start": group.param_version_start,
             "param_version_end": group.param_version_end,
             "staleness": staleness_of(group, self.version),
@@ -176,11 +227,14 @@ class TrainerLeader:
             **extra,
         }
 
+    def elapsed_s(self) -> float:
+        return self.elapsed_before_s + time.monotonic() - self.started_at
+
     def record(self, groups: list[SampleGroup], stats: dict[str, float]) -> None:
-        rows = [self.sample_row(g, j) for g in groups for j in range(g.n)]
+        rows = [self.sample_row(g, j, self.step) for g in groups for j in range(g.n)]
         self.trained_log.write(rows)
         self.samples_trained += len(rows)
-        elapsed = time.monotonic() - self.started_at
+        elapsed = self.elapsed_s()
         staleness = [r["staleness"] for r in rows]
         rollout_idle = [idle / max(total, 1e-9) for idle, total in self.rollout_idle.values()]
         self.metrics.write(
@@ -194,6 +248,7 @@ class TrainerLeader:
                     "samples/total": self.samples_trained,
                     "samples/dropped": self.samples_dropped,
                     "queue/groups": len(self.queue),
+                    "queue/spilled_groups": self.queue.spilled_count,
                     "time/elapsed_s": elapsed,
                     "throughput/samples_per_s": self.samples_trained / max(elapsed, 1e-9),
                     "trainer/idle_ratio": self.idle_s / max(elapsed, 1e-9),
@@ -204,30 +259,130 @@ class TrainerLeader:
             ]
         )
 
+    # --- checkpoints --------------------------------------------------------------------
+    def saved_at_this_step(self) -> bool:
+        return checkpoint_path(self.run_dir, self.step).exists()
+
+    def checkpoint(self, reason: str) -> None:
+        """Quiesce the rollout ranks, gather every rank's state, write one HDF5 file."""
+        start = time.time()
+        self.receiver.broadcast_control(Control.CHECKPOINT)
+        rollout = self.gather_rollout_states()
+        followers = self.gather_follower_states()
+        leader_rank = f"rank{self.topo.world_rank}"
+        tree = {
+            **self.policy.state_tree(),
+            "rng": {
+                leader_rank: rng_state(),
+                **followers,
+                **{k: v["rng"] for k, v in rollout.items()},
+            },
+            "rollout": {
+                k: {"epoch": v["epoch"], "position": v["position"]} for k, v in rollout.items()
+            },
+            "queue": self.queue.snapshot(),
+        }
+        meta = {
+            "step": self.step,
+            "param_version": self.version,
+            "samples_trained": self.samples_trained,
+            "samples_dropped": self.samples_dropped,
+            "groups_trained": self.credits.trained,
+            "elapsed_s": self.elapsed_s(),
+            "idle_s": self.idle_s,
+            "rollout_ranks": self.topo.rollout_ranks,
+            "train_ranks": self.topo.train_ranks,
+            "reason": reason,
+        }
+        save_checkpoint(checkpoint_path(self.run_dir, self.step), tree, meta)
+        prune_checkpoints(self.run_dir, self.cfg.checkpoint.keep)
+        log.info("checkpoint at step %d (%s) in %.2fs", self.step, reason, time.time() - start)
+        self.timeline.record("checkpoint", start, time.time(), step=self.step)
+
+    def gather_rollout_states(self) -> dict[str, dict]:
+        """Every rollout rank's state, once every group it sent before it is in the queue.
+        Their unused credits are void afterwards (granted anew by the next collect)."""
+        states: dict[int, tuple[dict, dict]] = {}
+
+        def ready() -> bool:
+            self.receive()
+            for rank, buf in self.receiver.poll_states().items():
+                states[rank] = decode_rank_state(buf)
+            return len(states) == self.topo.rollout_ranks and all(
+                self.receiver.received_from[r] == fields["groups_sent"]
+                for r, (fields, _) in states.items()
+            )
+
+        poll_until(ready, self.cfg.timeouts.rank_wait_s, "rollout ranks' state for a checkpoint")
+        self.credits.revoke_unused()
+        return {f"rank{r}": {**fields, "rng": rng} for r, (fields, rng) in states.items()}
+
+    def gather_follower_states(self) -> dict[str, dict]:
+        followers = range(1, self.topo.train_ranks)
+        self.send_shards([{}] * len(followers), {"checkpoint": True, "step": self.step})
+        states = {}
+        for follower in followers:
+            status = MPI.Status()
+            poll_until(
+                lambda f=follower, st=status: self.topo.local.Iprobe(
+                    source=f, tag=TAG_FOLLOWER_STATE, status=st
+                ),
+                self.cfg.timeouts.rank_wait_s,
+                f"trainer rank {follower}'s state for a checkpoint",
+            )
+            buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+            self.topo.local.Recv([buf, MPI.BYTE], source=follower, tag=TAG_FOLLOWER_STATE)
+            states[f"rank{self.topo.leader + follower}"] = decode_rank_state(buf)[1]
+        return states
+
+    def restore(self, path: Path, tree: dict, meta: dict) -> None:
+        self.policy.restore(tree, str(path))
+        self.step, self.version = meta["step"], meta["param_version"]
+        self.samples_trained, self.samples_dropped = (
+            meta["samples_trained"],
+            meta["samples_dropped"],
+        )
+        self.elapsed_before_s, self.idle_s = meta["elapsed_s"], meta["idle_s"]
+        self.credits.trained = meta["groups_trained"]
+        self.queue.extend(tree["queue"])
+        self.credits.queued = len(self.queue)
+        set_rng_state(tree["rng"][f"rank{self.topo.world_rank}"])
+        # Steps after the checkpoint are trained again: forget what the killed run logged of them.
+        runlog.truncate_to_step(self.run_dir, self.step)
+        (self.run_dir / PREEMPTED).unlink(missing_ok=True)
+        log.info(
+            "resumed from %s: step %d, version %d, %d queued groups",
+            path,
+            self.step,
+            self.version,
+            len(self.queue),
+        )
+
     def shutdown(self) -> None:
         """Stop the rollout ranks, drain what they still send (recorded as dropped), stop followers."""
         self.receiver.broadcast_control(Control.STOP)
-        self.send_shards([{}] * (self.topo.train_ranks - 1), stop=True)
+        self.send_shards([{}] * (self.topo.train_ranks - 1), {"stop": True, "step": self.step})
 
         def drained() -> bool:
-            self.queue.extend(self.receiver.poll())
+            self.receive()
             return self.receiver.all_done()
 
         poll_until(drained, self.cfg.timeouts.rank_wait_s, "rollout ranks to finish after STOP")
-        for group in self.queue:
-            self.drop(group, "run_ended")
-        self.queue.clear()
+        while len(self.queue):
+            self.drop(decode_group(self.queue.pop()), "run_ended")
+        self.queue.close()
         self.receiver.flush(self.cfg.timeouts.rank_wait_s)
-        for writer in (self.metrics, self.trained_log, self.dropped_log):
+        for writer in (self.metrics, self.trained_log, self.dropped_log, self.timeline):
             writer.close()
 
 
-def run_follower(cfg: Config, topo: Topology, policy: Policy) -> None:
+def run_follower(cfg: Config, topo: Topology, policy: Policy, timeline: Timeline) -> None:
     """A non-leader trainer rank: train on each shard the leader sends until told to stop."""
-    # The leader may wait for samples and a sync between two shards: allow for both.
-    timeout = cfg.timeouts.sample_wait_s + cfg.timeouts.weight_sync_s + cfg.timeouts.rank_wait_s
+    # The leader may wait for samples, a sync and a checkpoint between two shards.
+    timeout = cfg.timeouts.sample_wait_s + cfg.timeouts.weight_sync_s + 2 * cfg.timeouts.rank_wait_s
     status = MPI.Status()
     while True:
+        wait_start = time.time()
         poll_until(
             lambda: topo.local.Iprobe(source=0, tag=TAG_SHARD, status=status),
             timeout,
@@ -236,16 +391,36 @@ def run_follower(cfg: Config, topo: Topology, policy: Policy) -> None:
         buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
         topo.local.Recv([buf, MPI.BYTE], source=0, tag=TAG_SHARD)
         shard, meta = unpack_arrays(buf)
+        timeline.record("wait", wait_start, time.time(), step=meta["step"])
         if meta["stop"]:
+            timeline.close()
             return
+        if meta["checkpoint"]:
+            state = encode_rank_state({})
+            req = topo.local.Isend([state, MPI.BYTE], dest=0, tag=TAG_FOLLOWER_STATE)
+            poll_until(
+                req.Test, cfg.timeouts.rank_wait_s, "the trainer leader to take this rank's state"
+            )
+            continue
+        train_start = time.time()
         ppo_update(policy, to_tensors(shard, topo.device), topo.trainer_group, topo.train_ranks)
+        timeline.record("train", train_start, time.time(), step=meta["step"])
 
 
-def run_trainer(cfg: Config, topo: Topology, run_dir: Path) -> None:
+def run_trainer(
+    cfg: Config, topo: Topology, run_dir: Path, checkpoint: tuple | None = None
+) -> None:
+    """``checkpoint``: (path, tree, meta) to resume from, or None for a fresh start."""
     torch.set_num_threads(cfg.actor.torch_threads)
     torch.manual_seed(cfg.trainer.seed)
     policy = Policy(cfg, topo.device)
     if topo.is_leader:
-        TrainerLeader(cfg, topo, run_dir, policy).run()
-    else:
-        run_follower(cfg, topo, policy)
+        TrainerLeader(cfg, topo, run_dir, policy, checkpoint).run()
+        return
+    if checkpoint is not None:
+        path, tree, _ = checkpoint
+        policy.restore(tree, str(path))
+        own = tree["rng"].get(f"rank{topo.world_rank}")
+        if own is not None:  # absent when resuming with more trainer ranks than before
+            set_rng_state(own)
+    run_follower(cfg, topo, policy, Timeline(run_dir, topo.world_rank, "trainer"))

@@ -4,8 +4,10 @@ All traffic runs over the MPI intercommunicator between the rollout side and the
 side. Rollout ranks send each finished prompt group (n responses) to the trainer leader
 (remote rank 0). The leader sends control messages back: CREDIT (how many more groups a
 rank may start: the flow control and the staleness budget in one), SYNC (weights of a new
-version follow on the broadcast group), STOP. After STOP a rollout rank answers DONE with
-the number of groups it sent, so the leader can drain every message before shutdown.
+version follow on the broadcast group), CHECKPOINT, STOP. On CHECKPOINT a rollout rank
+answers with its state (data cursor, RNG, groups sent so far) and forgets its unused
+credits; after STOP it answers DONE with the number of groups it sent. Either count lets
+the leader drain every group sent before it, so nothing is in flight when it acts.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from hpc_asyncppo.transport.waits import poll_until
 
 TAG_SAMPLES = 11
 TAG_CONTROL = 12
+TAG_STATE = 13
 LEADER = 0  # the trainer leader's rank inside the trainer side of the intercommunicator
 
 
@@ -29,6 +32,7 @@ class Control(IntEnum):
     SYNC = 2  # value: the param version whose weights are about to be broadcast
     STOP = 3  # no more groups; answer DONE
     DONE = 4  # (rollout -> leader) value: groups sent in total
+    CHECKPOINT = 5  # answer with a state message; unused credits are void
 
 
 @dataclass
@@ -127,6 +131,11 @@ class SampleSender:
             messages.append((Control(int(msg[0])), int(msg[1])))
         return messages
 
+    def send_state(self, state: np.ndarray, timeout_s: float) -> None:
+        """Send this rank's state (a ``pack_arrays`` buffer) after every group sent so far."""
+        req = self._inter.Isend([state, MPI.BYTE], dest=LEADER, tag=TAG_STATE)
+        poll_until(req.Test, timeout_s, "the trainer leader to take this rank's state")
+
     def finish(self, timeout_s: float) -> None:
         """Wait for every pending send, then tell the leader how many groups were sent."""
         poll_until(
@@ -149,18 +158,28 @@ class SampleReceiver:
         self.received_from = [0] * self.rollout_ranks
         self.done_counts: dict[int, int] = {}
 
-    def poll(self) -> list[SampleGroup]:
-        """Every group that has arrived; never blocks."""
-        groups = []
+    def poll(self) -> list[np.ndarray]:
+        """Every encoded group that has arrived (``decode_group`` reads one); never blocks."""
+        buffers = []
         status = MPI.Status()
         while self._inter.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_SAMPLES, status=status):
             source, size = status.Get_source(), status.Get_count(MPI.BYTE)
             buf = np.empty(size, dtype=np.uint8)
             self._inter.Recv([buf, MPI.BYTE], source=source, tag=TAG_SAMPLES)
-            groups.append(decode_group(buf))
+            buffers.append(buf)
             self.received_from[source] += 1
         self._poll_done()
-        return groups
+        return buffers
+
+    def poll_states(self) -> dict[int, np.ndarray]:
+        """State messages that have arrived, by rollout rank; never blocks."""
+        states = {}
+        status = MPI.Status()
+        while self._inter.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STATE, status=status):
+            buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+            self._inter.Recv([buf, MPI.BYTE], source=status.Get_source(), tag=TAG_STATE)
+            states[status.Get_source()] = buf
+        return states
 
     def _poll_done(self) -> None:
         status = MPI.Status()

@@ -19,12 +19,12 @@ from hpc_asyncppo.launch.slurm.cluster import SlurmError, query_partitions
 
 # flag (without --) -> (config key, type, help)
 FLAGS: dict[str, tuple[str, type, str]] = {
-    "partition-rollout": ("slurm.rollout.partition", str, "partition of the rollout ranks (het component 0)"),
-    "partition-train": ("slurm.train.partition", str, "partition of the trainer ranks (het component 1)"),
+    "partition-rollout": ("slurm.rollout.partition", str, "partition of the rollout ranks"),
+    "partition-train": ("slurm.train.partition", str, "partition of the trainer ranks"),
     "nodes-rollout": ("slurm.rollout.nodes", int, "nodes for the rollout ranks"),
     "nodes-train": ("slurm.train.nodes", int, "nodes for the trainer ranks"),
-    "ntasks-per-node-rollout": ("slurm.rollout.ntasks_per_node", int, "rollout ranks per node (default: one per GPU)"),
-    "ntasks-per-node-train": ("slurm.train.ntasks_per_node", int, "trainer ranks per node (default: one per GPU)"),
+    "ntasks-per-node-rollout": ("slurm.rollout.ntasks_per_node", int, "rollout ranks per node"),
+    "ntasks-per-node-train": ("slurm.train.ntasks_per_node", int, "trainer ranks per node"),
     "gpus-per-node-rollout": ("slurm.rollout.gpus_per_node", int, "GPUs per rollout node"),
     "gpus-per-node-train": ("slurm.train.gpus_per_node", int, "GPUs per trainer node"),
     "time": ("slurm.time", str, "time limit, e.g. 4:00:00"),
@@ -39,9 +39,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Slurm", "one heterogeneous job: rollout ranks on one partition, trainer ranks on another"
     )
     for flag, (key, kind, text) in FLAGS.items():
-        group.add_argument(f"--{flag}", type=kind, default=None, metavar=kind.__name__.upper(), help=f"{text} ({key})")
-    group.add_argument("--dry-run", action="store_true", help="print the batch script, submit nothing")
-    group.add_argument("--wait", action="store_true", help="follow the job until it ends; exit with its status")
+        group.add_argument(
+            f"--{flag}",
+            type=kind,
+            default=None,
+            metavar=kind.__name__.upper(),
+            help=f"{text} ({key})",
+        )
+    group.add_argument(
+        "--dry-run", action="store_true", help="print the batch script, submit nothing"
+    )
+    group.add_argument(
+        "--wait", action="store_true", help="follow the job until it ends; exit with its status"
+    )
 
 
 def flag_overrides(args: argparse.Namespace) -> list[str]:

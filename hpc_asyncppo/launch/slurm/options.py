@@ -19,9 +19,9 @@ class ComponentConfig:
     gpus_per_node: int = 0  # GPUs per node; 0: ask for none
     gpu_type: str = ""  # GPU type in the request (a100 -> --gpus-per-node=a100:4); empty: any type
     cpus_per_task: int = 0  # CPUs per rank (--cpus-per-task); 0: the partition's default
-    mem: str = ""  # memory per node (--mem), e.g. 200G; "0": all of it; empty: the partition's default
+    mem: str = ""  # memory per node (--mem), e.g. 200G; "0": all of it; empty: partition default
     constraint: str = ""  # node features (--constraint), e.g. "a100&ib"; empty: none
-    extra_sbatch: list[str] = field(default_factory=list)  # more options for this component only, e.g. ["--exclusive"]
+    extra_sbatch: list[str] = field(default_factory=list)  # this component's extra options
 
     @property
     def tasks_per_node(self) -> int:
@@ -41,11 +41,11 @@ class SlurmConfig:
     time: str = ""  # time limit (minutes, HH:MM:SS or D-HH:MM:SS); empty: the partition's default
     account: str = ""  # account charged (--account); empty: your default account
     qos: str = ""  # quality of service (--qos); empty: the default QOS
-    gpu_request: str = "gpus-per-node"  # how GPUs are asked for: gpus-per-node | gres (--gres=gpu:N)
+    gpu_request: str = "gpus-per-node"  # how GPUs are asked: gpus-per-node | gres (--gres=gpu:N)
     mpi: str = "pmix"  # srun --mpi plugin (srun --mpi=list shows the cluster's)
-    signal: str = ""  # warning signal before the time limit (--signal), e.g. USR2@90; empty: none
-    extra_sbatch: list[str] = field(default_factory=list)  # more #SBATCH options for the whole job, e.g. ["--mail-type=END"]
-    setup: list[str] = field(default_factory=list)  # shell lines run before srun (module load, exports, venv activation)
-    srun_args: list[str] = field(default_factory=list)  # more srun options for the one het step, e.g. ["--cpu-bind=none"]
+    signal: str = "USR2@90"  # warning signal before the time limit (--signal): the ranks checkpoint and requeue; empty: none
+    extra_sbatch: list[str] = field(default_factory=list)  # more #SBATCH options for the whole job
+    setup: list[str] = field(default_factory=list)  # shell lines before srun: module load, exports
+    srun_args: list[str] = field(default_factory=list)  # more srun options: --cpu-bind=none
     python: str = ""  # interpreter the ranks run; empty: the one running submit
-    run_root: str = "runs"  # where run directories are created; must be on a filesystem all nodes see
+    run_root: str = "runs"  # where run directories go: a filesystem every node sees

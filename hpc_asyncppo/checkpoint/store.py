@@ -1,0 +1,656 @@
+"""Checkpoints: one HDF5 file per step holding a nested state tree and JSON metadata.
+
+No pickle anywhere: every value is a typed HDF5 dataset, so opening an untrusted checkpoint
+cannot run code. File layout (HDF5 1.10 format, whose metadata blocks carry checksums):
+
+  /            attrs format = "hpc_asyncppo.checkpoint", format_version = 1
+  /meta        uint8: the metadata as UTF-8 JSON (step, param_version, counters, ...)
+  /manifest    uint8: JSON list of every dataset path in write order (finds missing ones)
+  /tree/...    the state tree: a dict is a group, a leaf is a dataset
+
+Every dataset carries ``kind`` and ``crc32``: the zlib CRC-32 of each consecutive
+``crc32_block`` bytes of its stored data (one value for data up to 64 MiB; blocks let
+several threads checksum one large tensor). Leaves:
+
+  torch    a tensor; dtypes numpy lacks (bfloat16, float8, bool, complex) are stored as
+           their bit pattern (uint of the same width) with the torch dtype in ``dtype``
+  numpy    a numeric or bool numpy array (``scalar`` = 1 for a numpy scalar)
+  json     None, bool, int, float, str, or a list/tuple of those (``container``)
+  buffers  (a group) a list of 1-D uint8 arrays, e.g. encoded sample groups, stored as one
+           concatenated ``data`` dataset plus ``ends`` offsets: thousands cost two datasets
+
+Groups have kind ``dict`` (children named by escaped key; an int key is marked on the
+child by ``key_type`` = "int", so optimizer state dicts load back), ``list`` or ``tuple``
+(children named 0..n-1).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import random
+import re
+import uuid
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import h5py
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+FORMAT = "hpc_asyncppo.checkpoint"
+FORMAT_VERSION = 1
+CHECKPOINT_DIR = "checkpoints"
+_NAME = re.compile(r"ckpt_(\d{8,})\.h5")
+_TMP_GLOB = ".ckpt_*.h5.tmp-*"
+# Lowest format 1.10: checksummed metadata. Highest 1.10: any HDF5 >= 1.10 can read the file.
+_LIBVER = ("v110", "v110")
+_SCALARS = (type(None), bool, int, float, str)
+CRC_BLOCK = 64 << 20
+_CRC_THREADS = min(8, os.cpu_count() or 1)  # zlib.crc32 releases the GIL
+
+_NATIVE_TORCH = {
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.int8: np.int8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.uint8: np.uint8,
+}
+_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_SIGNED_TORCH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SIGNED_NP = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is unreadable, corrupt, of an unknown format, or for another model."""
+
+
+# --- paths in a run directory -----------------------------------------------------------
+
+
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    """RUN_DIR/checkpoints/ckpt_{step:08d}.h5"""
+    return Path(run_dir) / CHECKPOINT_DIR / f"ckpt_{step:08d}.h5"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's checkpoint files, newest (highest step) first; temporary files excluded."""
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.fullmatch(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def latest_valid_checkpoint(run_dir: str | Path, warn: Callable[[str], None]) -> Path | None:
+    """The newest checkpoint whose checksums verify; ``warn`` gets one line per bad one."""
+    for path in list_checkpoints(run_dir):
+        try:
+            verify_checkpoint(path)
+            return path
+        except CheckpointError as exc:
+            warn(f"{exc}; trying an older checkpoint")
+    return None
+
+
+def load_latest_checkpoint(
+    run_dir: str | Path, warn: Callable[[str], None]
+) -> tuple[Path, dict, dict] | None:
+    """(path, tree, meta) of the newest loadable checkpoint, reading each file once."""
+    for path in list_checkpoints(run_dir):
+        try:
+            return (path, *load_checkpoint(path))
+        except CheckpointError as exc:
+            warn(f"{exc}; trying an older checkpoint")
+    return None
+
+
+def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest checkpoints, and temp files of interrupted saves.
+
+    Call it only from the process that writes checkpoints, after a save has returned:
+    a temp file is then always the litter of a save that was killed.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    removed = list_checkpoints(run_dir)[keep:]
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    if folder.is_dir():
+        removed += sorted(folder.glob(_TMP_GLOB))
+    for path in removed:
+        path.unlink(missing_ok=True)
+    return removed
+
+
+# --- saving -----------------------------------------------------------------------------
+
+
+def save_checkpoint(path: str | Path, tree: dict, meta: dict) -> None:
+    """Write ``tree`` and ``meta`` to ``path`` atomically.
+
+    The file is written under a temporary name in the same directory, fsynced, renamed,
+    and the directory fsynced: after a crash ``path`` is either absent, the old file, or
+    the complete new one. On any error the temporary file is removed and the error raised.
+    """
+    path = Path(path)
+    meta_bytes = _json_array(meta, "meta")  # a bad meta fails before any file exists
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with (
+            h5py.File(tmp, "w", libver=_LIBVER, track_order=True, locking=False) as f,
+            ThreadPoolExecutor(_CRC_THREADS, thread_name_prefix="crc32") as pool,
+        ):
+            _Writer(f, pool).write(tree, meta_bytes)
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:  # also KeyboardInterrupt / SystemExit from a signal handler
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:  # some filesystems cannot fsync a directory
+            raise
+    finally:
+        os.close(fd)
+
+
+def _json_array(value: Any, what: str) -> np.ndarray:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{what} is not JSON-serialisable: {exc}") from None
+    return np.frombuffer(text.encode(), dtype=np.uint8)
+
+
+def _crc_blocks(pool: ThreadPoolExecutor, arr: np.ndarray, block: int) -> list[Future[int]]:
+    """CRC-32 of each ``block`` bytes of ``arr`` (one block if empty), computed on ``pool``."""
+    flat = arr.reshape(-1).view(np.uint8)
+    return [
+        pool.submit(zlib.crc32, flat[start : start + block])
+        for start in range(0, max(flat.size, 1), block)
+    ]
+
+
+def _escape(key: str) -> str:
+    """An HDF5 link name for a dict key ('/' is a path separator, '.' alone means 'here')."""
+    if key == "":
+        return "%empty"  # cannot collide: a literal '%' is always escaped as %25
+    name = key.replace("%", "%25").replace("/", "%2F")
+    return "%2E" + name[1:] if name.startswith(".") else name
+
+
+def _unescape(name: str) -> str:
+    return "" if name == "%empty" else unquote(name)
+
+
+def _set_attrs(obj: h5py.HLObject, attrs: dict[str, str | int]) -> None:
+    for key, value in attrs.items():
+        # Fixed-length byte strings, never variable-length ones (no object dtypes anywhere).
+        obj.attrs[key] = np.bytes_(value.encode()) if isinstance(value, str) else np.int64(value)
+
+
+def _tensor_to_array(t: torch.Tensor, where: str) -> tuple[np.ndarray, dict[str, str | int]]:
+    if t.layout != torch.strided or t.is_quantized:
+        raise TypeError(f"cannot store {where}: {t.layout} / quantized tensors are not supported")
+    t = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+    attrs: dict[str, str | int] = {"kind": "torch", "dtype": str(t.dtype).removeprefix("torch.")}
+    if t.dtype in _NATIVE_TORCH:
+        return t.numpy(), attrs
+    width = t.element_size()
+    if width in _BITS:
+        return t.view(_SIGNED_TORCH[width]).numpy().view(_BITS[width]), attrs
+    attrs["shape"] = json.dumps(list(t.shape))
+    return t.reshape(-1).view(torch.uint8).numpy(), attrs
+
+
+def _numpy_to_array(a: np.ndarray, where: str) -> tuple[np.ndarray, dict[str, str | int]]:
+    if a.dtype.kind not in "biufc":
+        raise TypeError(f"cannot store {where}: numpy dtype {a.dtype} (numeric and bool only)")
+    attrs: dict[str, str | int] = {"kind": "numpy", "dtype": a.dtype.str}
+    a = a if a.flags.c_contiguous else a.copy(order="C")  # (ascontiguousarray makes 0-d 1-d)
+    if a.dtype.kind in "iuf":
+        return a, attrs
+    if a.dtype.itemsize in _BITS:
+        return a.view(_BITS[a.dtype.itemsize]), attrs
+    attrs["shape"] = json.dumps(list(a.shape))
+    return a.reshape(-1).view(np.uint8), attrs
+
+
+def _is_buffer_list(value: list) -> bool:
+    return bool(value) and all(
+        isinstance(x, np.ndarray) and x.dtype == np.uint8 and x.ndim == 1 for x in value
+    )
+
+
+class _Writer:
+    """Writes the tree; checksums run on worker threads (zlib.crc32 releases the GIL) and
+    land in the attributes at the end."""
+
+    def __init__(self, f: h5py.File, pool: ThreadPoolExecutor):
+        self.f, self.pool = f, pool
+        self.manifest: list[str] = []
+        self.checksums: list[tuple[h5py.Dataset, list[Future[int]]]] = []
+
+    def write(self, tree: dict, meta_bytes: np.ndarray) -> None:
+        if not isinstance(tree, dict):
+            raise TypeError(f"the checkpoint tree must be a dict, got {type(tree).__name__}")
+        _set_attrs(self.f, {"format": FORMAT, "format_version": FORMAT_VERSION})
+        self.dataset(self.f, "meta", meta_bytes, {"kind": "json"})
+        self.node(self.f, "tree", tree, "tree")
+        manifest = _json_array(self.manifest, "manifest")
+        self.dataset(self.f, "manifest", manifest, {"kind": "json"}, listed=False)
+        for ds, blocks in self.checksums:
+            ds.attrs["crc32"] = np.array([crc.result() for crc in blocks], dtype=np.uint32)
+            ds.attrs["crc32_block"] = np.int64(CRC_BLOCK)
+
+    def dataset(
+        self,
+        group: h5py.Group,
+        name: str,
+        arr: np.ndarray,
+        attrs: dict[str, str | int],
+        listed: bool = True,
+    ) -> h5py.Dataset:
+        # Checksums run while HDF5 writes the same (unchanging) memory.
+        crcs = _crc_blocks(self.pool, arr, CRC_BLOCK)
+        ds = group.create_dataset(name, data=arr)
+        _set_attrs(ds, attrs)
+        self.checksums.append((ds, crcs))
+        if listed:
+            self.manifest.append(ds.name)
+        return ds
+
+    def group(self, parent: h5py.Group, name: str, kind: str) -> h5py.Group:
+        g = parent.create_group(name, track_order=True)
+        _set_attrs(g, {"kind": kind})
+        return g
+
+    def node(self, parent: h5py.Group, name: str, value: Any, where: str) -> h5py.HLObject:
+        if isinstance(value, torch.Tensor):
+            return self.dataset(parent, name, *_tensor_to_array(value, where))
+        if isinstance(value, np.ndarray | np.generic):
+            arr, attrs = _numpy_to_array(np.asarray(value), where)
+            if isinstance(value, np.generic):
+                attrs["scalar"] = 1
+            return self.dataset(parent, name, arr, attrs)
+        if isinstance(value, dict):
+            return self.dict_node(parent, name, value, where)
+        if isinstance(value, list) and _is_buffer_list(value):
+            return self.buffers(parent, name, value)
+        if isinstance(value, list | tuple):
+            container = "tuple" if isinstance(value, tuple) else "list"
+            if all(isinstance(x, _SCALARS) for x in value):
+                arr = _json_array(list(value), where)
+                return self.dataset(parent, name, arr, {"kind": "json", "container": container})
+            g = self.group(parent, name, container)
+            for i, item in enumerate(value):
+                self.node(g, str(i), item, f"{where}/{i}")
+            return g
+        if isinstance(value, _SCALARS):
+            return self.dataset(parent, name, _json_array(value, where), {"kind": "json"})
+        raise TypeError(
+            f"cannot store {where}: {type(value).__name__} (supported: torch.Tensor, numpy "
+            "arrays, dict, list, tuple, None, bool, int, float, str)"
+        )
+
+    def dict_node(self, parent: h5py.Group, name: str, value: dict, where: str) -> h5py.Group:
+        g = self.group(parent, name, "dict")
+        for key, item in value.items():
+            if isinstance(key, int | np.integer) and not isinstance(key, bool):
+                link = str(int(key))
+            elif isinstance(key, str):
+                link = _escape(key)
+            else:
+                raise TypeError(f"cannot store {where}: key {key!r} is not a str or an int")
+            if link in g:
+                raise TypeError(f"cannot store {where}: keys {key!r} and {link!r} collide")
+            child = self.node(g, link, item, f"{where}/{key}")
+            if not isinstance(key, str):
+                _set_attrs(child, {"key_type": "int"})
+        return g
+
+    def buffers(self, parent: h5py.Group, name: str, items: list[np.ndarray]) -> h5py.Group:
+        g = self.group(parent, name, "buffers")
+        ends = np.cumsum([x.size for x in items], dtype=np.int64)
+        self.dataset(g, "data", np.concatenate(items), {"kind": "numpy", "dtype": "|u1"})
+        self.dataset(g, "ends", ends, {"kind": "numpy", "dtype": ends.dtype.str})
+        return g
+
+
+# --- loading and verifying --------------------------------------------------------------
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict, dict]:
+    """(tree, meta) from a checkpoint; raises CheckpointError (one line) if anything is off.
+
+    Tensors come back on the CPU with their exact dtype and bits; int dict keys stay ints.
+    """
+    reader = _read(Path(path), build=True)
+    return reader.tree, reader.meta
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Check format, manifest and every checksum without building tensors."""
+    _read(Path(path), build=False)
+
+
+@dataclass
+class CheckpointSummary:
+    """What ``describe_checkpoint`` found in a verified file."""
+
+    path: Path
+    format_version: int
+    meta: dict
+    tensor_count: int  # torch and numpy leaves
+    tensor_bytes: int
+    file_bytes: int
+    buffers: dict[str, list[np.ndarray]] = field(default_factory=dict)  # tree path -> items
+
+
+def describe_checkpoint(path: str | Path) -> CheckpointSummary:
+    """Verify a checkpoint and summarise it (sizes, counts, buffer lists) for inspection."""
+    path = Path(path)
+    reader = _read(path, build=False)
+    return CheckpointSummary(
+        path=path,
+        format_version=reader.format_version,
+        meta=reader.meta,
+        tensor_count=reader.tensor_count,
+        tensor_bytes=reader.tensor_bytes,
+        file_bytes=path.stat().st_size,
+        buffers=reader.buffers,
+    )
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _read(path: Path, build: bool) -> _Reader:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path}: no such file")
+    reader = _Reader(path, build)
+    try:
+        with (
+            h5py.File(path, "r", locking=False) as f,
+            ThreadPoolExecutor(_CRC_THREADS, thread_name_prefix="crc32") as pool,
+        ):
+            reader.read(f, pool)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # h5py raises OSError, KeyError, ValueError... on damaged files
+        raise CheckpointError(
+            f"checkpoint {path}: unreadable HDF5 at '{reader.where}': {_one_line(exc)}"
+        ) from None
+    return reader
+
+
+def _attr(obj: h5py.HLObject, name: str, default: Any = None) -> Any:
+    value = obj.attrs.get(name, default)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class _Reader:
+    """Walks the file. When building, the checksums of large leaves run on worker threads
+    while the next datasets are read, and are all checked before the tree is returned;
+    small datasets (JSON, offsets) are checked before they are parsed."""
+
+    def __init__(self, path: Path, build: bool):
+        self.path, self.build = path, build
+        self.pool: ThreadPoolExecutor | None = None
+        self.checksums: list[tuple[str, np.ndarray, list[Future[int]]]] = []
+        self.where = "/"
+        self.seen: set[str] = set()
+        self.format_version = 0
+        self.meta: dict = {}
+        self.tree: dict = {}
+        self.tensor_count = self.tensor_bytes = 0
+        self.buffers: dict[str, list[np.ndarray]] = {}
+
+    def fail(self, name: str, what: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {self.path}: dataset '{name}' {what}")
+
+    def read(self, f: h5py.File, pool: ThreadPoolExecutor) -> None:
+        self.pool = pool
+        fmt, version = _attr(f, "format"), _attr(f, "format_version")
+        if fmt != FORMAT:
+            raise CheckpointError(f"checkpoint {self.path}: not an {FORMAT} file (format={fmt!r})")
+        if version != FORMAT_VERSION:
+            raise CheckpointError(
+                f"checkpoint {self.path}: format version {version}, this code reads {FORMAT_VERSION}"
+            )
+        self.format_version = int(version)
+        manifest = json.loads(self.array(self.get(f, "manifest")).tobytes())
+        self.meta = json.loads(self.array(self.get(f, "meta")).tobytes())
+        self.tree = self.node(self.get(f, "tree"))
+        for name, stored, crcs in self.checksums:
+            self.check(name, stored, crcs)
+        missing = [name for name in manifest if name not in self.seen]
+        if missing:
+            raise self.fail(missing[0], "is missing")
+        extra = self.seen - set(manifest) - {"/manifest", "/meta"}
+        if extra:
+            raise self.fail(sorted(extra)[0], "is not in the manifest")
+
+    def get(self, group: h5py.Group, name: str) -> h5py.HLObject:
+        self.where = f"{group.name.rstrip('/')}/{name}"
+        obj = group.get(name)
+        if obj is None:
+            raise self.fail(self.where, "is missing")
+        return obj
+
+    def array(self, ds: h5py.Dataset, large: bool = False) -> np.ndarray:
+        self.where = ds.name
+        if not isinstance(ds, h5py.Dataset):
+            raise self.fail(ds.name, "is a group, expected a dataset")
+        if ds.dtype.kind not in "iuf":  # checked before reading: never touch an object dtype
+            raise self.fail(ds.name, f"has dtype {ds.dtype}, only plain numbers are allowed")
+        stored, block = ds.attrs.get("crc32"), ds.attrs.get("crc32_block")
+        if stored is None or block is None or int(block) < 1:
+            raise self.fail(ds.name, "has no checksum")
+        stored = np.atleast_1d(stored)
+        arr = np.empty(ds.shape, ds.dtype)
+        try:
+            ds.read_direct(arr)  # several times faster than ds[...] on large datasets
+        except Exception as exc:
+            raise self.fail(ds.name, f"is unreadable: {_one_line(exc)}") from None
+        self.seen.add(ds.name)
+        crcs = _crc_blocks(self.pool, arr, int(block))
+        if large and self.build:  # checked at the end, while the next datasets are read
+            self.checksums.append((ds.name, stored, crcs))
+        else:
+            self.check(ds.name, stored, crcs)
+        return arr
+
+    def check(self, name: str, stored: np.ndarray, crcs: list[Future[int]]) -> None:
+        computed = [crc.result() for crc in crcs]
+        if len(computed) != len(stored):
+            raise self.fail(name, f"has {len(stored)} checksums for {len(computed)} blocks")
+        for block, (want, got) in enumerate(zip(stored.tolist(), computed, strict=True)):
+            if want != got:
+                raise self.fail(
+                    name,
+                    f"fails its checksum (block {block}: stored {want:#010x}, read {got:#010x})",
+                )
+
+    def node(self, obj: h5py.HLObject) -> Any:
+        self.where = obj.name
+        kind = _attr(obj, "kind")
+        if isinstance(obj, h5py.Group):
+            if kind == "dict":
+                return {self.key(obj[name], name): self.node(obj[name]) for name in obj}
+            if kind in ("list", "tuple"):
+                items = [self.node(self.get(obj, str(i))) for i in range(len(obj))]
+                return tuple(items) if kind == "tuple" else items
+            if kind == "buffers":
+                return self.buffer_list(obj)
+        elif kind == "json":
+            value = json.loads(self.array(obj).tobytes())
+            return tuple(value) if _attr(obj, "container") == "tuple" else value
+        elif kind in ("torch", "numpy"):
+            return self.leaf(obj, kind)
+        raise self.fail(obj.name, f"has unknown kind {kind!r}")
+
+    def key(self, obj: h5py.HLObject, name: str) -> str | int:
+        return int(name) if _attr(obj, "key_type") == "int" else _unescape(name)
+
+    def buffer_list(self, g: h5py.Group) -> list[np.ndarray]:
+        data, ends = self.array(self.get(g, "data"), large=True), self.array(self.get(g, "ends"))
+        if ends.ndim != 1 or (ends.size and ends[-1] != data.size):
+            raise self.fail(g.name, "has offsets that do not match its data")
+        starts = np.concatenate([[0], ends[:-1]])
+        items = [data[s:e] for s, e in zip(starts.tolist(), ends.tolist(), strict=True)]
+        self.buffers[g.name.removeprefix("/tree")] = items
+        return items
+
+    def leaf(self, ds: h5py.Dataset, kind: str) -> Any:
+        arr = self.array(ds, large=True)
+        dtype_name = _attr(ds, "dtype")
+        try:
+            value = _to_tensor(arr, ds) if kind == "torch" else _to_numpy(arr, ds)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise self.fail(
+                ds.name, f"cannot become {kind} {dtype_name}: {_one_line(exc)}"
+            ) from None
+        self.tensor_count += 1
+        self.tensor_bytes += arr.nbytes
+        return value if self.build else None
+
+
+def _stored_shape(arr: np.ndarray, ds: h5py.Dataset) -> tuple[int, ...]:
+    shape = _attr(ds, "shape")
+    return tuple(json.loads(shape)) if shape is not None else arr.shape
+
+
+def _to_tensor(arr: np.ndarray, ds: h5py.Dataset) -> torch.Tensor:
+    dtype = getattr(torch, _attr(ds, "dtype"), None)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"unknown torch dtype {_attr(ds, 'dtype')!r}")
+    if not arr.dtype.isnative:  # written on a machine of the other byte order
+        arr = arr.byteswap().view(arr.dtype.newbyteorder("="))
+    if dtype in _NATIVE_TORCH:
+        if arr.dtype != _NATIVE_TORCH[dtype]:
+            raise TypeError(f"stored as {arr.dtype}")
+        return torch.from_numpy(arr)
+    if _attr(ds, "shape") is not None:
+        return torch.from_numpy(arr).view(dtype).reshape(_stored_shape(arr, ds))
+    width = arr.dtype.itemsize
+    return torch.from_numpy(arr.view(_SIGNED_NP[width])).view(dtype)
+
+
+def _to_numpy(arr: np.ndarray, ds: h5py.Dataset) -> np.ndarray | np.generic:
+    dtype = np.dtype(_attr(ds, "dtype"))
+    if dtype.kind not in "biufc":
+        raise TypeError(f"numpy dtype {dtype} is not allowed")
+    value = arr if arr.dtype == dtype else arr.reshape(-1).view(dtype)
+    value = value.reshape(_stored_shape(arr, ds))
+    return value[()] if _attr(ds, "scalar") else value
+
+
+# --- model compatibility ----------------------------------------------------------------
+
+
+def _describe(t: Any) -> tuple[tuple[int, ...], str]:
+    dtype = t.dtype
+    name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype.name
+    return tuple(t.shape), name
+
+
+def check_compatible(
+    checkpoint_tensors: Mapping[str, Any],
+    model_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+    source: str | Path | None = None,
+) -> None:
+    """Raise CheckpointError naming the first tensor missing on either side or whose
+    shape or dtype differs. ``model_tensors``: e.g. ``model.named_parameters()`` or a
+    state dict; tensors may be torch or numpy."""
+    prefix = f"checkpoint {source}" if source is not None else "checkpoint"
+    model = dict(model_tensors)
+    for name, tensor in model.items():
+        if name not in checkpoint_tensors:
+            raise CheckpointError(f"{prefix} has no tensor {name!r}, which the model has")
+        (ckpt_shape, ckpt_dtype), (shape, dtype) = (
+            _describe(checkpoint_tensors[name]),
+            _describe(tensor),
+        )
+        if ckpt_shape != shape:
+            raise CheckpointError(
+                f"{prefix}: tensor {name!r} has shape {ckpt_shape}, the model has {shape}"
+            )
+        if ckpt_dtype != dtype:
+            raise CheckpointError(
+                f"{prefix}: tensor {name!r} has dtype {ckpt_dtype}, the model has {dtype}"
+            )
+    for name in checkpoint_tensors:
+        if name not in model:
+            raise CheckpointError(f"{prefix} has tensor {name!r}, which the model does not have")
+
+
+# --- random number generators -----------------------------------------------------------
+
+
+def rng_state() -> dict:
+    """This process's RNG states (Python, NumPy global, torch CPU, CUDA if present) as a
+    checkpoint tree: numbers and tensors only."""
+    version, mt, gauss_next = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state = {
+        "python": {"version": version, "mt": np.array(mt, dtype=np.int64), "gauss": gauss_next},
+        "numpy": {
+            "name": name,
+            "keys": keys.copy(),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what ``rng_state`` captured (after a round trip through a checkpoint)."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["mt"]), py["gauss"]))
+    npy = state["numpy"]
+    np.random.set_state(
+        (npy["name"], npy["keys"], npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+    )
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda", [])
+    if cuda and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if len(cuda) != count:
+            log.warning("checkpoint has CUDA RNG states for %d devices, this process sees %d: "
+                        "restoring the first %d", len(cuda), count, min(len(cuda), count))  # fmt: skip
+        for device, s in enumerate(cuda[:count]):
+            torch.cuda.set_rng_state(s, device)

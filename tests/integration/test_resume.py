@@ -1,0 +1,173 @@
+"""Checkpoints and resume on real runs: determinism, exactly-once under SIGTERM, corrupt
+checkpoints, a different model, and the replay overflow file."""
+
+from __future__ import annotations
+
+import collections
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpc_asyncppo.checkpoint.store import checkpoint_path, list_checkpoints, load_checkpoint
+from hpc_asyncppo.config import DataConfig, TinyModelConfig
+from hpc_asyncppo.models.tiny import build_tiny_model
+from hpc_asyncppo.rollout.cursor import PromptCursor
+from hpc_asyncppo.runlog import read_jsonl
+from hpc_asyncppo.tasks import load_task
+
+pytestmark = pytest.mark.mpi
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["actor.ppo_mini_batch_size=4", "data.num_prompts=64", "timeouts.sample_wait_s=120"]
+
+
+def submit(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout)
+
+
+def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    tree, meta = load_checkpoint(checkpoint_path(run_dir, step))
+    assert meta["step"] == step
+    return tree["model"]
+
+
+def test_sync_run_resumed_halfway_ends_with_bitwise_identical_weights(tmp_path):
+    common = [*SMALL, "async_training.mode=sync", "checkpoint.save_every=0"]
+    whole, half = tmp_path / "whole", tmp_path / "half"
+    assert submit("--run-dir", str(whole), *common, "trainer.total_steps=8").returncode == 0
+    first = submit("--run-dir", str(half), *common, "trainer.total_steps=4")
+    assert first.returncode == 0, first.stderr
+    second = submit("--resume", str(half), "trainer.total_steps=8")
+    assert second.returncode == 0, second.stderr
+    a, b = final_weights(whole, 8), final_weights(half, 8)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs after resume"
+    rows = {d: read_jsonl(d / "trained_samples.jsonl") for d in (whole, half)}
+    assert [r["uid"] for r in rows[whole]] == [r["uid"] for r in rows[half]]
+
+
+def cursor_prefix(
+    rank: int, ranks: int, seed: int, num_prompts: int, count: int
+) -> set[tuple[int, int]]:
+    cursor = PromptCursor(num_prompts, rank, ranks, seed)
+    return {cursor.next() for _ in range(count)}
+
+
+def interrupt_after(run_dir: Path, args: list[str], steps_seen: int) -> int:
+    """Start a run, SIGTERM the launcher once metrics.jsonl has ``steps_seen`` rows."""
+    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", *args]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 180
+    while len(read_jsonl(run_dir / "metrics.jsonl")) < steps_seen:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert "continue with" in err, err
+    return proc.returncode
+
+
+def test_fully_async_run_interrupted_twice_trains_every_sample_exactly_once(tmp_path):
+    run_dir = tmp_path / "run"
+    steps, ranks = 40, 2
+    args = [*SMALL, f"trainer.total_steps={steps}", "checkpoint.save_every=7",
+            "async_training.staleness_threshold=0.5", "data.reward_fn=tests.integration.faults:slow"]  # fmt: skip
+    assert (
+        interrupt_after(
+            run_dir, ["--run-dir", str(run_dir), "--rollout-ranks", str(ranks), *args], 9
+        )
+        == 143
+    )
+    assert (run_dir / "preempted").exists()
+    assert interrupt_after(run_dir, ["--resume", str(run_dir)], 24) == 143
+    done = submit("--resume", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    assert not (run_dir / "preempted").exists()
+
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert metrics[-1]["samples/total"] == steps * 4 * 8  # as many as an uninterrupted run
+    trained = read_jsonl(run_dir / "trained_samples.jsonl")
+    dropped = read_jsonl(run_dir / "dropped_samples.jsonl")
+    trained_uids = [r["uid"] for r in trained]
+    assert len(trained_uids) == len(set(trained_uids)) == steps * 32, "a sample trained twice"
+    assert not set(trained_uids) & {r["uid"] for r in dropped}
+    assert all(r["reason"] in ("stale", "run_ended") for r in dropped)
+    # Nothing lost: each rollout rank's groups are exactly a prefix of its data order, with
+    # all n responses of every group accounted for.
+    responses = collections.Counter()
+    for row in trained + dropped:
+        s, e, p, _ = row["uid"].split("-")
+        responses[(row["rollout_rank"], int(e[1:]), int(p[1:]))] += 1
+    assert set(responses.values()) == {8}
+    for rank in range(ranks):
+        mine = {(e, p) for (r, e, p) in responses if r == rank}
+        assert mine == cursor_prefix(rank, ranks, seed=1, num_prompts=64, count=len(mine))
+
+
+def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    run_dir = tmp_path / "run"
+    assert (
+        submit(
+            "--run-dir", str(run_dir), *SMALL, "trainer.total_steps=6", "checkpoint.save_every=2"
+        ).returncode
+        == 0
+    )
+    newest = list_checkpoints(run_dir)[0]
+    assert newest.name == "ckpt_00000006.h5"
+    raw = bytearray(newest.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    newest.write_bytes(bytes(raw))
+    resumed = submit("--resume", str(run_dir), "trainer.total_steps=8")
+    assert resumed.returncode == 0, resumed.stderr
+    warnings = [line for line in resumed.stderr.splitlines() if "ckpt_00000006.h5" in line]
+    assert warnings, resumed.stderr
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, 9))
+    # every checkpoint corrupt: a clear error, non-zero exit
+    for path in list_checkpoints(run_dir):
+        path.write_bytes(path.read_bytes()[:100])
+    failed = submit("--resume", str(run_dir), "trainer.total_steps=10")
+    assert failed.returncode != 0
+    assert "no valid checkpoint" in failed.stderr
+
+
+def test_checkpoint_of_another_model_shape_is_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    assert submit("--run-dir", str(run_dir), *SMALL, "trainer.total_steps=2").returncode == 0
+    other = build_tiny_model(
+        tmp_path / "wide", load_task(DataConfig()).vocabulary(), TinyModelConfig(hidden_size=32), 1
+    )
+    resumed = submit("--resume", str(run_dir), f"model.path={other}", "trainer.total_steps=4")
+    assert resumed.returncode != 0
+    assert "has shape" in resumed.stderr and "the model has" in resumed.stderr
+
+
+def test_slow_trainer_spills_to_the_overflow_file_and_loses_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["--rollout-ranks", "2", *SMALL, "trainer.total_steps=12", "actor.ppo_epochs=8",
+            "async_training.staleness_threshold=3", "async_training.max_staleness=2",
+            "buffer.memory_limit_mb=0.005", "checkpoint.save_every=5"]  # fmt: skip
+    proc = submit("--run-dir", str(run_dir), *args)
+    assert proc.returncode == 0, proc.stderr
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert max(m["queue/spilled_groups"] for m in metrics) > 0, "nothing spilled"
+    trained = read_jsonl(run_dir / "trained_samples.jsonl")
+    dropped = read_jsonl(run_dir / "dropped_samples.jsonl")
+    assert len(trained) == 12 * 32
+    uids = [r["uid"] for r in trained + dropped]
+    assert len(uids) == len(set(uids))
+    groups = collections.Counter(u.rsplit("-", 1)[0] for u in uids)
+    assert set(groups.values()) == {8}
+    assert json.loads(json.dumps(metrics[-1]))["samples/dropped"] == sum(
+        r["reason"] == "stale" for r in dropped
+    )

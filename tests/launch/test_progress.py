@@ -1,0 +1,74 @@
+"""The live progress display: plain lines for logs, a bar on a terminal."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+from hpc_asyncppo.launch.progress import follow
+from hpc_asyncppo.runlog import METRICS
+
+
+def row(step: int) -> dict:
+    return {
+        "step": step,
+        "param_version": step // 4,
+        "reward/mean": 0.25,
+        "staleness/mean": 0.5,
+        "staleness/max": 1,
+        "throughput/samples_per_s": 100.0,
+        "queue/groups": 3,
+        "trainer/idle_ratio": 0.3,
+        "rollouter/idle_ratio": 0.1,
+    }
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def appending_run(path: Path, steps: range, before: int = 0):
+    """is_running() that appends one more row per poll, then returns False."""
+    with path.open("a") as f:
+        for s in range(1, before + 1):
+            f.write(json.dumps(row(s)) + "\n")
+    pending = list(steps)
+
+    def is_running() -> bool:
+        if not pending:
+            return False
+        with path.open("a") as f:
+            line = json.dumps(row(pending.pop(0))) + "\n"
+            f.write(line)
+        return True
+
+    return is_running
+
+
+def test_plain_lines_every_tenth_of_the_run(tmp_path: Path) -> None:
+    out = io.StringIO()
+    last = follow(tmp_path, appending_run(tmp_path / METRICS, range(1, 21)), 20, 0.0, stream=out)
+    lines = out.getvalue().splitlines()
+    assert last["step"] == 20
+    assert [line.split()[1] for line in lines] == [f"{s}/20" for s in range(2, 21, 2)]
+    assert "reward 0.250" in lines[-1] and "queue 3" in lines[-1]
+
+
+def test_a_resumed_run_starts_from_its_last_step(tmp_path: Path) -> None:
+    out = io.StringIO()
+    follow(
+        tmp_path, appending_run(tmp_path / METRICS, range(9, 21), before=10), 20, 0.0, stream=out
+    )
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "resuming at step 10/20"
+    assert lines[-1].startswith("step 20/20")
+
+
+def test_a_bar_on_a_terminal(tmp_path: Path) -> None:
+    out = Terminal()
+    last = follow(tmp_path, appending_run(tmp_path / METRICS, range(1, 6)), 5, 0.0, stream=out)
+    assert last["step"] == 5
+    screen = out.getvalue()
+    assert "5/5" in screen and "100%" in screen and "idle trainer 30%" in screen

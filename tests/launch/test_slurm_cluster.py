@@ -1,0 +1,232 @@
+"""Integration tests against the real local Slurm cluster (scripts/local_slurm.sh).
+
+Two emulated nodes: partition "rollout" is node n1, partition "train" node n2. Every test
+submits a real heterogeneous job; they run in well under a minute each on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_asyncppo.config import load_config, load_resolved
+from hpc_asyncppo.launch.slurm.cluster import ACTIVE_STATES, job_state
+from hpc_asyncppo.launch.slurm.executor import HetJobExecutor
+from hpc_asyncppo.launch.slurm.placement import slurm_placement
+from hpc_asyncppo.launch.slurm.script import TEMPLATE_PATH, sbatch_lines
+
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("local_slurm")]
+
+REPO = Path(__file__).resolve().parents[2]
+PROBE = Path(__file__).with_name("hetjob_probe.py")
+LONG_RUN = "trainer.total_steps=100000"
+
+
+def wait_until_done(job_id: str, timeout_s: float = 180) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = job_state(job_id)
+        if state not in ACTIVE_STATES:
+            return state
+        time.sleep(1)
+    subprocess.run(["scancel", job_id])
+    pytest.fail(f"job {job_id} still {state} after {timeout_s}s")
+
+
+def submit(run_dir: Path, *args: str) -> list[str]:
+    return [
+        sys.executable, "-m", "hpc_asyncppo.submit", "--config", "local-slurm",
+        "--partition-rollout", "rollout", "--partition-train", "train",
+        "--run-dir", str(run_dir), *args,
+    ]  # fmt: skip
+
+
+def ranks_in_state(run_dir: Path, state: str, count: int, timeout_s: float = 180) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        records = []
+        for path in sorted((run_dir / "ranks").glob("rank*.json")):
+            try:
+                records.append(json.loads(path.read_text()))
+            except (OSError, json.JSONDecodeError):
+                break  # being rewritten
+        if len(records) == count and all(r["state"] == state for r in records):
+            return records
+        time.sleep(0.5)
+    pytest.fail(f"ranks of {run_dir} never all reached state {state!r}")
+
+
+def processes_of(run_dir: Path) -> list[int]:
+    """Pids of processes whose command line names the run directory (the ranks)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(run_dir).encode() in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def assert_no_processes_left(run_dir: Path, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while processes_of(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not processes_of(run_dir), "ranks left running after the job ended"
+
+
+def test_one_mpi_world_across_both_partitions(shared_dir: Path) -> None:
+    """The hetjob layer alone: our sbatch lines, one srun step, Split + Create_intercomm."""
+    cfg = load_config("local-slurm")
+    out = shared_dir / "out"
+    out.mkdir()
+    srun = f"srun --mpi={cfg.slurm.mpi} --het-group=0,1 --kill-on-bad-exit=1 --label {sys.executable} {PROBE} {out}"
+    script = "\n".join(
+        ["#!/bin/bash", *sbatch_lines(cfg.slurm, str(shared_dir)), *cfg.slurm.setup, srun]
+    )
+    job = HetJobExecutor(shared_dir, script + "\n", num_tasks=3).submit_script()
+    assert wait_until_done(job.job_id) == "COMPLETED", (
+        shared_dir / f"{job.job_id}_0_log.err"
+    ).read_text()
+    records = [json.loads((out / f"rank{i}.json").read_text()) for i in range(3)]
+    assert [r["role"] for r in records] == ["rollout", "rollout", "trainer"]
+    assert {r["size"] for r in records} == {3}
+    assert records[2]["received"] == [0, 1]  # both rollout ranks reached the trainer leader
+    placements = [slurm_placement(r["rank"], r["env"]) for r in records]
+    assert [(p["slurm_node"], p["slurm_partition"]) for p in placements] == [
+        ("n1", "rollout"),
+        ("n1", "rollout"),
+        ("n2", "train"),
+    ]
+    assert {p["slurm_job_id"] for p in placements} == {job.job_id}
+
+
+def test_tiny_run_completes_with_ranks_on_their_partitions(shared_dir: Path) -> None:
+    run_dir = shared_dir / "run"
+    proc = subprocess.run(
+        submit(run_dir, "--wait"), cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "submitted job" in proc.stdout and "completed" in proc.stdout
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    total_steps = load_resolved(run_dir / "config.yaml").trainer.total_steps
+    assert [r["step"] for r in rows] == list(range(1, total_steps + 1))
+    ranks = [json.loads(p.read_text()) for p in sorted((run_dir / "ranks").glob("rank*.json"))]
+    where = [(r["role"], r["slurm_node"], r["slurm_partition"], r["state"]) for r in ranks]
+    assert where == [
+        ("rollout", "n1", "rollout", "done"),
+        ("rollout", "n1", "rollout", "done"),
+        ("trainer", "n2", "train", "done"),
+    ]
+    # It learns, as in local mode: the reward rises over the run.
+    rewards = [r["reward/mean"] for r in rows]
+    assert sum(rewards[-20:]) / 20 > sum(rewards[:20]) / 20 + 0.05, rewards
+    # Both components' output lands in the run directory, labelled by rank.
+    job_id = (run_dir / "slurm" / "job_id").read_text().strip()
+    assert (run_dir / "slurm" / f"{job_id}_0_log.out").exists()
+    assert sorted(p.name for p in (run_dir / "logs").glob("rank*.log")) == [
+        "rank0.log",
+        "rank1.log",
+        "rank2.log",
+    ]
+
+
+def test_scancel_ends_the_job_cleanly(shared_dir: Path) -> None:
+    run_dir = shared_dir / "run"
+    waiter = subprocess.Popen(
+        submit(run_dir, "--wait", LONG_RUN),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ranks_in_state(run_dir, "running", 3)
+        job_id = (run_dir / "slurm" / "job_id").read_text().strip()
+        subprocess.run(["scancel", job_id], check=True)
+        out, err = waiter.communicate(timeout=120)
+    finally:
+        waiter.kill()
+    assert waiter.returncode == 1 and f"job {job_id} ended CANCELLED" in err, out + err
+    assert "Traceback" not in err
+    assert job_state(job_id) == "CANCELLED"
+    assert_no_processes_left(run_dir)
+
+
+def test_a_failing_rank_ends_the_whole_job(shared_dir: Path) -> None:
+    run_dir = shared_dir / "run"
+    proc = subprocess.run(
+        submit(
+            run_dir, "--wait", LONG_RUN, "data.reward_fn=tests.launch.faulty_reward:fail_on_rank1"
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("  rank ")]
+    assert (
+        len(errors) == 1
+        and "rank 1 (rollout" in errors[0]
+        and "injected failure on rank 1" in errors[0]
+    )
+    job_id = (run_dir / "slurm" / "job_id").read_text().strip()
+    assert job_state(job_id) == "FAILED"
+    assert_no_processes_left(run_dir)
+
+
+def test_a_killed_rank_ends_the_whole_job(shared_dir: Path) -> None:
+    """A rank that cannot record its error (SIGKILL): srun's report names it."""
+    run_dir = shared_dir / "run"
+    waiter = subprocess.Popen(
+        submit(run_dir, "--wait", LONG_RUN),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ranks = ranks_in_state(run_dir, "running", 3)
+        os.kill(ranks[2]["pid"], signal.SIGKILL)  # the trainer leader
+        out, err = waiter.communicate(timeout=120)
+    finally:
+        waiter.kill()
+    assert waiter.returncode == 1, out + err
+    assert "ended FAILED" in err and "task 0 of its het component on node n2: Killed" in err, err
+    assert_no_processes_left(run_dir)
+
+
+def test_standalone_template_runs_with_sbatch(shared_dir: Path) -> None:
+    """slurm/hetjob.sbatch, submitted by hand with the documented variables."""
+    run_dir = shared_dir / "run"
+    setup = "\n".join(load_config("local-slurm").slurm.setup)
+    env = {
+        **os.environ,
+        "HPC_ASYNCPPO_RUN_DIR": str(run_dir),
+        "HPC_ASYNCPPO_ARGS": "trainer.total_steps=3",
+        "HPC_ASYNCPPO_PYTHON": sys.executable,
+        "PYTHONPATH": str(REPO),  # the package need not be installed
+    }
+    proc = subprocess.run(
+        ["bash", "-c", f"{setup}\nexec sbatch --parsable {TEMPLATE_PATH}"],
+        cwd=shared_dir,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    job_id = proc.stdout.strip().split(";")[0]
+    state = wait_until_done(job_id)
+    output = shared_dir / f"hpc_asyncppo-{job_id}.out"
+    assert state == "COMPLETED", output.read_text() if output.exists() else state
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 3
+    assert json.loads((run_dir / "ranks" / "rank2.json").read_text())["slurm_node"] == "n2"
