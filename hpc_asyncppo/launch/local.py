@@ -5,6 +5,7 @@ The same per-rank entry point as under Slurm; rollout ranks are world ranks [0, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -92,8 +93,11 @@ def run_local(cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int) 
     received: list[int] = []
 
     def ask_to_stop(signum: int, frame: object) -> None:
-        if received:
+        if received:  # asked twice: kill mpirun and every rank (each runs in its own group)
             os.killpg(proc.pid, signal.SIGKILL)
+            for info in read_rank_info(run_dir):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(info["pid"], signal.SIGKILL)
         else:
             print(
                 f"\n{signal.Signals(signum).name}: asking the job to checkpoint and stop",

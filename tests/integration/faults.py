@@ -29,3 +29,9 @@ def slow(prompt, response_text: str) -> float:
     """The default reward, slowly: keeps a run going long enough to kill one of its ranks."""
     time.sleep(0.002)
     return _reward(None, prompt, response_text)
+
+
+def slower(prompt, response_text: str) -> float:
+    """The default reward, 20 ms a call: a run of a few steps lasts long enough to preempt."""
+    time.sleep(0.02)
+    return _reward(None, prompt, response_text)

@@ -1,0 +1,259 @@
+"""Where a run stands, on one screen: ``python -m hpc_asyncppo.status RUN_DIR``.
+
+Reads only the run directory (and asks Slurm for the job's state when the run was
+submitted there): state, step, param version, last checkpoint, reward, throughput, idle
+ratios, and the last error. Works on a live, finished, failed, killed or resumed run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from hpc_asyncppo.launch.rundir import CONFIG, read_rank_info
+from hpc_asyncppo.runlog import METRICS, read_jsonl
+from hpc_asyncppo.timeline import TIMELINE
+
+CHECKPOINTS = "checkpoints"
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int | None  # from the file name, when it has a number
+    mtime: float
+
+
+@dataclass
+class RankError:
+    rank: int
+    line: str  # the first line of errors/rank{i}.txt
+    current: bool  # False: written before this rank's latest (re)start, by an earlier attempt
+
+
+@dataclass
+class RunStatus:
+    run_dir: Path
+    state: str  # not started | starting | running | finished | failed | killed | unknown | <slurm state>
+    total_steps: int | None
+    rows: list[dict]  # metrics, one row per step (a resumed run's last attempt wins)
+    attempts: int  # 1 + resumes
+    ranks: list[dict]
+    job_id: str | None = None
+    job_state: str | None = None
+    checkpoint: Checkpoint | None = None
+    errors: list[RankError] = field(default_factory=list)
+
+    @property
+    def last(self) -> dict | None:
+        return self.rows[-1] if self.rows else None
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl, one row per step in step order: a resumed run re-runs the steps after
+    its checkpoint, and the row its last attempt wrote for a step is the one that counts."""
+    by_step = {row["step"]: row for row in read_jsonl(run_dir / METRICS)}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def attempts_of(run_dir: Path) -> int:
+    """How many times the ranks were started (1 + resumes), from the timeline's sessions."""
+    counts = [
+        path.read_text().count('"span":"session"')
+        for path in (run_dir / TIMELINE).glob("rank*.jsonl")
+    ]
+    return max(counts, default=0) or 1
+
+
+def total_steps_of(run_dir: Path) -> int | None:
+    try:
+        return int(OmegaConf.select(OmegaConf.load(run_dir / CONFIG), "trainer.total_steps"))
+    except Exception:  # noqa: BLE001 - a missing or foreign config only loses the total
+        return None
+
+
+def last_checkpoint(run_dir: Path) -> Checkpoint | None:
+    """The newest ``checkpoints/ckpt_*.h5`` (by the step in its name, then by time)."""
+    found = []
+    for path in (run_dir / CHECKPOINTS).glob("ckpt_*.h5"):
+        digits = re.findall(r"\d+", path.stem)
+        try:
+            mtime = path.stat().st_mtime
+        except FileNotFoundError:  # replaced while we looked
+            continue
+        found.append(Checkpoint(path, int(digits[-1]) if digits else None, mtime))
+    if not found:
+        return None
+    return max(found, key=lambda c: (c.step if c.step is not None else -1, c.mtime))
+
+
+def rank_error_list(run_dir: Path, ranks: list[dict]) -> list[RankError]:
+    started = {info["rank"]: info for info in ranks}
+    errors = []
+    for path in sorted((run_dir / "errors").glob("rank*.txt"), key=lambda p: int(p.stem[4:])):
+        text = path.read_text().strip()
+        if not text:
+            continue
+        rank = int(path.stem[4:])
+        info = started.get(rank)
+        current = info is None or info["state"] == "failed" or path.stat().st_mtime >= info["time"]
+        errors.append(RankError(rank, text.splitlines()[0], current))
+    return errors
+
+
+def slurm_job_id(run_dir: Path, ranks: list[dict]) -> str | None:
+    path = run_dir / "slurm" / "job_id"
+    if path.exists() and path.read_text().strip():
+        return path.read_text().strip()
+    ids = [info.get("slurm_job_id") for info in ranks if info.get("slurm_job_id")]
+    return ids[0] if ids else None
+
+
+def slurm_job_state(job_id: str) -> str | None:
+    if not (shutil.which("scontrol") or shutil.which("sacct")):
+        return None
+    from hpc_asyncppo.launch.slurm.cluster import job_state
+
+    return job_state(job_id)
+
+
+def process_alive(pid: int) -> bool:
+    """True if ``pid`` runs here (a zombie, killed but not yet reaped, counts as ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def run_state(ranks: list[dict], errors: list[RankError], job_state: str | None) -> str:
+    """One word for the run, from the ranks' own records, Slurm, and (locally) their pids."""
+    from hpc_asyncppo.launch.slurm.cluster import ACTIVE_STATES
+
+    states = [info["state"] for info in ranks]
+    if "failed" in states or any(e.current for e in errors):
+        return "failed"
+    if states and all(s == "done" for s in states):
+        return "finished"
+    if job_state not in (None, "UNKNOWN"):
+        if job_state in ACTIVE_STATES:
+            return "starting" if job_state in ("PENDING", "CONFIGURING") else "running"
+        return job_state.lower()
+    if not ranks:
+        return "not started"
+    here = socket.gethostname()
+    local = [info for info in ranks if info.get("host") == here and info.get("pid")]
+    if len(local) < len(ranks):
+        return "unknown"
+    if any(process_alive(info["pid"]) for info in local if info["state"] != "done"):
+        return "starting" if "starting" in states else "running"
+    return "killed"
+
+
+def collect(run_dir: Path) -> RunStatus:
+    run_dir = Path(run_dir)
+    ranks = read_rank_info(run_dir) if (run_dir / "ranks").exists() else []
+    rows = metrics_rows(run_dir)
+    errors = rank_error_list(run_dir, ranks)
+    job_id = slurm_job_id(run_dir, ranks)
+    job = slurm_job_state(job_id) if job_id else None
+    return RunStatus(
+        run_dir=run_dir,
+        state=run_state(ranks, errors, job),
+        total_steps=total_steps_of(run_dir),
+        rows=rows,
+        attempts=attempts_of(run_dir),
+        ranks=ranks,
+        job_id=job_id,
+        job_state=job,
+        checkpoint=last_checkpoint(run_dir),
+        errors=errors,
+    )
+
+
+def ago(t: float, now: float | None = None) -> str:
+    s = max(0.0, (time.time() if now is None else now) - t)
+    if s < 120:
+        return f"{s:.0f}s ago"
+    if s < 7200:
+        return f"{s / 60:.0f} min ago"
+    return f"{s / 3600:.1f} h ago"
+
+
+def format_status(st: RunStatus) -> str:
+    lines = [f"run         {st.run_dir}"]
+    roles = [info["role"] for info in st.ranks]
+    where = f"{roles.count('rollout')} rollout + {roles.count('trainer')} trainer ranks"
+    hosts = sorted({info.get("host", "?") for info in st.ranks})
+    job = f"   slurm job {st.job_id}: {st.job_state or 'state unknown'}" if st.job_id else ""
+    lines.append(f"state       {st.state}  ({where} on {', '.join(hosts) or '-'}){job}")
+    last = st.last
+    total = st.total_steps or "?"
+    if last is None:
+        lines.append(f"step        0/{total}  (no step logged yet)")
+    else:
+        pct = f" ({last['step'] / st.total_steps:.0%})" if st.total_steps else ""
+        stamp = f", last logged {ago(last['time/unix'])}" if "time/unix" in last else ""
+        resumed = f", resumed {st.attempts - 1}x" if st.attempts > 1 else ""
+        lines.append(
+            f"step        {last['step']}/{total}{pct}  param version {last['param_version']}{stamp}{resumed}"
+        )
+    if st.checkpoint is not None:
+        step = f"step {st.checkpoint.step}, " if st.checkpoint.step is not None else ""
+        lines.append(f"checkpoint  {st.checkpoint.path.name} ({step}{ago(st.checkpoint.mtime)})")
+    else:
+        lines.append("checkpoint  none")
+    if last is not None:
+        n = min(10, max(1, len(st.rows) // 2))
+        reward = sum(r["reward/mean"] for r in st.rows[-n:]) / n
+        start = sum(r["reward/mean"] for r in st.rows[:n]) / n
+        lines.append(
+            f"reward      {reward:.3f} (mean of the last {n} steps; first {n} steps: {start:.3f})"
+        )
+        lines.append(
+            f"throughput  {last['throughput/samples_per_s']:.1f} samples/s   "
+            f"staleness mean {last['staleness/mean']:.2f} max {last['staleness/max']}   "
+            f"queue {last.get('queue/groups', 0)} groups"
+        )
+        lines.append(
+            f"idle        trainer {last['trainer/idle_ratio']:.0%} (waiting for samples)   "
+            f"rollout {last['rollouter/idle_ratio']:.0%} (waiting for credits)"
+        )
+        lines.append(
+            f"samples     {last['samples/total']} trained, {last['samples/dropped']} dropped"
+        )
+    for err in st.errors[-3:]:
+        tag = "error      " if err.current else "old error  "
+        lines.append(f"{tag} {err.line}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hpc_asyncppo.status", description="Where a run stands, on one screen."
+    )
+    parser.add_argument("run_dir", type=Path, help="the run directory")
+    args = parser.parse_args(argv)
+    if not args.run_dir.is_dir():
+        print(f"error: {args.run_dir} is not a directory", file=sys.stderr)
+        return 2
+    print(format_status(collect(args.run_dir)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
