@@ -63,6 +63,10 @@ class RolloutConfig:
     top_k: int = 0  # top-k sampling; 0 disables
     prompts_per_generate: int = 8  # prompts (groups) batched into one engine call
     torch_threads: int = 1  # intra-op threads of each rollout rank
+    tensor_parallel_size: int = 1  # vllm: GPUs (CPU workers) per rollout rank's engine
+    gpu_memory_utilization: float = 0.5  # vllm on GPUs: GPU memory share for weights + KV
+    cpu_kv_cache_gb: float = 1.0  # vllm on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE unless set)
+    enforce_eager: bool = False  # vllm on GPUs: no CUDA graphs (always eager on CPU)
 
 
 @dataclass
@@ -73,6 +77,7 @@ class ActorConfig:
         16  # prompts (groups of rollout.n responses) per optimizer step, as in verl
     )
     ppo_epochs: int = 1  # passes over each mini-batch
+    ppo_micro_batch_size_per_gpu: int = 0  # responses per forward/backward (gradient accumulation); 0: whole shard
     clip_ratio_low: float = 0.2  # PPO clip: ratio >= 1 - clip_ratio_low
     clip_ratio_high: float = 0.2  # PPO clip: ratio <= 1 + clip_ratio_high
     clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages (> 1)
@@ -211,6 +216,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "async_training.mode": ("fully_async", "sync"),
 }
 
+# Head sizes vLLM's CPU attention backend supports (vllm 0.32, CPUAttentionBackend).
+VLLM_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
 # key -> (lowest allowed, whether the bound is exclusive)
 _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "model.tiny.hidden_size": (1, False),
@@ -226,10 +234,14 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "rollout.top_k": (0, False),
     "rollout.prompts_per_generate": (1, False),
     "rollout.torch_threads": (1, False),
+    "rollout.tensor_parallel_size": (1, False),
+    "rollout.gpu_memory_utilization": (0, True),
+    "rollout.cpu_kv_cache_gb": (0, True),
     "actor.lr": (0, True),
     "actor.weight_decay": (0, False),
     "actor.ppo_mini_batch_size": (1, False),
     "actor.ppo_epochs": (1, False),
+    "actor.ppo_micro_batch_size_per_gpu": (0, False),
     "actor.clip_ratio_low": (0, False),
     "actor.clip_ratio_high": (0, False),
     "actor.clip_ratio_c": (1, True),
@@ -258,6 +270,7 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
 
 _UPPER_BOUNDS: dict[str, float] = {
     "rollout.top_p": 1.0,
+    "rollout.gpu_memory_utilization": 1.0,
     "algorithm.gamma": 1.0,
     "algorithm.lam": 1.0,
     "actor.clip_ratio_low": 1.0,
@@ -307,13 +320,19 @@ def validate(cfg: Config, rollout_ranks: int = 1, train_ranks: int = 1) -> None:
     for key, high in _UPPER_BOUNDS.items():
         if _get(cfg, key) > high:
             raise ConfigError(f"{key}={_get(cfg, key)} must be <= {high}")
-    if cfg.rollout.engine == "vllm":
+    if cfg.async_training.partial_rollout and cfg.rollout.engine != "vllm":
         raise ConfigError(
-            "rollout.engine=vllm is not available yet in this build; use rollout.engine=hf"
+            "async_training.partial_rollout=true needs rollout.engine=vllm "
+            "(the hf engine cannot cut a generation and resume it)"
         )
-    if cfg.async_training.partial_rollout:
+    if cfg.rollout.engine == "hf" and cfg.rollout.tensor_parallel_size > 1:
+        raise ConfigError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
+    tiny_head_dim = cfg.model.tiny.hidden_size // cfg.model.tiny.num_heads
+    if cfg.rollout.engine == "vllm" and not cfg.model.path and tiny_head_dim not in VLLM_HEAD_DIMS:
         raise ConfigError(
-            "async_training.partial_rollout=true needs rollout.engine=vllm, not available yet"
+            f"rollout.engine=vllm: the tiny model's head size (model.tiny.hidden_size / "
+            f"model.tiny.num_heads = {tiny_head_dim}) is not one vLLM's CPU attention supports "
+            f"({', '.join(map(str, VLLM_HEAD_DIMS))}); e.g. set model.tiny.num_heads=2"
         )
     if cfg.model.tiny.hidden_size % cfg.model.tiny.num_heads:
         raise ConfigError("model.tiny.hidden_size must be a multiple of model.tiny.num_heads")

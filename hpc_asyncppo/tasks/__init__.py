@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from hpc_asyncppo.config import ConfigError, DataConfig
 
@@ -20,8 +20,19 @@ from hpc_asyncppo.config import ConfigError, DataConfig
 @dataclass(frozen=True)
 class Prompt:
     index: int  # position in the task's prompt list; part of every sample's uid
-    text: str  # what the tokenizer encodes
+    text: str  # what the tokenizer encodes (when there are no chat messages)
     ground_truth: str  # what the reward compares against
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content) chat turns, if any
+
+
+def tokenize_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """Token ids of a prompt: chat messages through the model's chat template (with the
+    generation prompt), plain text as it is."""
+    if prompt.messages is not None and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": role, "content": content} for role, content in prompt.messages]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
 
 
 class Task(Protocol):
@@ -65,10 +76,12 @@ class _WithReward:
 def load_task(data: DataConfig) -> Task:
     from hpc_asyncppo.tasks.jsonl import JsonlTask
     from hpc_asyncppo.tasks.next_digit import NextDigitTask
+    from hpc_asyncppo.tasks.verl_dataset import VerlDatasetTask
 
     registry: dict[str, Callable[[DataConfig], Task]] = {
         "next_digit": NextDigitTask,
         "jsonl": JsonlTask,
+        "verl": VerlDatasetTask,
     }
     if data.task in registry:
         task = registry[data.task](data)

@@ -113,97 +113,111 @@ def all_reduce_gradients(
         offset += g.numel()
 
 
-def ppo_update(
-    policy: Policy, batch: dict[str, torch.Tensor], group: dist.ProcessGroup | None, world: int
-) -> dict[str, float]:
-    """One trainer step on this rank's shard: require_batches mini-batches x ppo_epochs updates."""
-    cfg, actor = policy.cfg, policy.cfg.actor
+def micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Row indices in chunks of ``size`` (0: one chunk)."""
+    return list(rows.split(size)) if size > 0 else [rows]
+
+
+@torch.no_grad()
+def reference_quantities(policy: Policy, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Before any update of the step: old log-probs, ref log-probs, values, advantages,
+    returns and importance weights, each (B, L), computed micro-batch by micro-batch."""
+    cfg = policy.cfg
     mask = batch["response_mask"]
-    with torch.no_grad():
-        old_log_probs, _, old_values = policy.forward(
-            policy.model, batch, with_values=policy.value_head is not None
+    parts: dict[str, list[torch.Tensor]] = {"old_log_probs": [], "values": [], "ref_log_probs": []}
+    for idx in micro_batches(torch.arange(mask.shape[0]), cfg.actor.ppo_micro_batch_size_per_gpu):
+        mb = {k: v[idx] for k, v in batch.items()}
+        log_probs, _, values = policy.forward(
+            policy.model, mb, with_values=policy.value_head is not None
         )
-        if cfg.async_training.use_rollout_log_probs:
-            old_log_probs = batch["rollout_log_probs"]
-        ref_log_probs = (
-            policy.forward(policy.reference, batch)[0] if policy.reference is not None else None
-        )
+        parts["old_log_probs"].append(log_probs)
+        if values is not None:
+            parts["values"].append(values)
+        if policy.reference is not None:
+            parts["ref_log_probs"].append(policy.forward(policy.reference, mb)[0])
+    out = {k: torch.cat(v) for k, v in parts.items() if v}
+    if cfg.async_training.use_rollout_log_probs:
+        out["old_log_probs"] = batch["rollout_log_probs"]
     if cfg.algorithm.adv_estimator == "gae":
         token_rewards = torch.zeros_like(mask)
         last = (mask.sum(dim=1).long() - 1).clamp(min=0)
         token_rewards[torch.arange(mask.shape[0]), last] = batch["rewards"]
-        advantages, returns = algos.gae_advantages(
-            token_rewards, old_values, mask, cfg.algorithm.gamma, cfg.algorithm.lam
+        out["advantages"], out["returns"] = algos.gae_advantages(
+            token_rewards, out["values"], mask, cfg.algorithm.gamma, cfg.algorithm.lam
         )
     else:
-        advantages, returns = algos.token_advantages(batch["advantages"], mask), None
-    is_weights = None
+        out["advantages"] = algos.token_advantages(batch["advantages"], mask)
     if cfg.algorithm.rollout_is != "none":
-        is_weights = algos.rollout_importance_weights(
-            old_log_probs,
-            batch["rollout_log_probs"],
-            mask,
-            cfg.algorithm.rollout_is,
-            cfg.algorithm.rollout_is_threshold,
-        )
+        out["is_weights"] = algos.rollout_importance_weights(
+            out["old_log_probs"], batch["rollout_log_probs"], mask,
+            cfg.algorithm.rollout_is, cfg.algorithm.rollout_is_threshold,
+        )  # fmt: skip
+    return out
 
+
+def micro_batch_loss(
+    policy: Policy, mb: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The PPO loss of one micro-batch (``ref``: its rows of ``reference_quantities``)."""
+    cfg, actor = policy.cfg, policy.cfg.actor
+    m = mb["response_mask"]
+    log_probs, logits, values = policy.forward(
+        policy.model, mb, with_values=policy.value_head is not None
+    )
+    loss, pg_stats = algos.policy_loss(
+        log_probs, ref["old_log_probs"], ref["advantages"], m,
+        actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c, actor.loss_agg_mode,
+        is_weights=ref.get("is_weights"),
+    )  # fmt: skip
+    stats = {"actor/pg_loss": loss.item(), **{f"actor/{k}": v.item() for k, v in pg_stats.items()}}
+    if actor.entropy_coeff > 0:
+        entropy = algos.agg_loss(algos.entropy_from_logits(logits), m, actor.loss_agg_mode)
+        loss = loss - actor.entropy_coeff * entropy
+        stats["actor/entropy"] = entropy.item()
+    if "ref_log_probs" in ref:
+        kl_tokens = algos.kl_penalty(log_probs, ref["ref_log_probs"], actor.kl_loss_type)
+        kl = algos.agg_loss(kl_tokens, m, actor.loss_agg_mode)
+        loss = loss + actor.kl_loss_coef * kl
+        stats["actor/kl_loss"] = kl.item()
+    if values is not None:
+        vf_loss, vf_clipfrac = algos.value_loss(
+            values,
+            ref["values"],
+            ref["returns"],
+            m,
+            cfg.critic.cliprange_value,
+            actor.loss_agg_mode,
+        )
+        loss = loss + cfg.critic.value_coef * vf_loss
+        stats["critic/vf_loss"], stats["critic/vf_clipfrac"] = vf_loss.item(), vf_clipfrac.item()
+    return loss, stats
+
+
+def ppo_update(
+    policy: Policy, batch: dict[str, torch.Tensor], group: dist.ProcessGroup | None, world: int
+) -> dict[str, float]:
+    """One trainer step on this rank's shard: require_batches mini-batches x ppo_epochs
+    optimizer steps, each accumulating gradients over micro-batches, then all-reduced."""
+    cfg, actor = policy.cfg, policy.cfg.actor
+    ref = reference_quantities(policy, batch)
     params = [p for group_ in policy.optimizer.param_groups for p in group_["params"]]
-    rows = mask.shape[0]
-    chunks = torch.arange(rows).chunk(cfg.async_training.require_batches)
+    rows = torch.arange(batch["response_mask"].shape[0])
     totals: dict[str, float] = {}
     updates = 0
     for _ in range(actor.ppo_epochs):
-        for idx in chunks:
-            mb = {k: v[idx] for k, v in batch.items()}
-            m = mask[idx]
-            log_probs, logits, values = policy.forward(
-                policy.model, mb, with_values=policy.value_head is not None
-            )
-            pg_loss, pg_stats = algos.policy_loss(
-                log_probs, old_log_probs[idx], advantages[idx], m,
-                actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c, actor.loss_agg_mode,
-                is_weights=None if is_weights is None else is_weights[idx],
-            )  # fmt: skip
-            loss = pg_loss
-            stats = {
-                "actor/pg_loss": pg_loss.item(),
-                **{f"actor/{k}": v.item() for k, v in pg_stats.items()},
-            }
-            if actor.entropy_coeff > 0:
-                entropy = algos.agg_loss(algos.entropy_from_logits(logits), m, actor.loss_agg_mode)
-                loss = loss - actor.entropy_coeff * entropy
-                stats["actor/entropy"] = entropy.item()
-            if ref_log_probs is not None:
-                kl = algos.agg_loss(
-                    algos.kl_penalty(log_probs, ref_log_probs[idx], actor.kl_loss_type),
-                    m,
-                    actor.loss_agg_mode,
-                )
-                loss = loss + actor.kl_loss_coef * kl
-                stats["actor/kl_loss"] = kl.item()
-            if values is not None:
-                vf_loss, vf_clipfrac = algos.value_loss(
-                    values,
-                    old_values[idx],
-                    returns[idx],
-                    m,
-                    cfg.critic.cliprange_value,
-                    actor.loss_agg_mode,
-                )
-                loss = loss + cfg.critic.value_coef * vf_loss
-                stats["critic/vf_loss"], stats["critic/vf_clipfrac"] = (
-                    vf_loss.item(),
-                    vf_clipfrac.item(),
-                )
+        for mini in rows.chunk(cfg.async_training.require_batches):
             policy.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            for idx in micro_batches(mini, actor.ppo_micro_batch_size_per_gpu):
+                mb = {k: v[idx] for k, v in batch.items()}
+                loss, stats = micro_batch_loss(policy, mb, {k: v[idx] for k, v in ref.items()})
+                # each micro-batch's share of the mini-batch (verl's scaling)
+                (loss * (len(idx) / len(mini))).backward()
+                for k, v in stats.items():
+                    totals[k] = totals.get(k, 0.0) + v * len(idx) / len(mini)
             all_reduce_gradients(params, group, world)
             if actor.grad_clip > 0:
-                stats["actor/grad_norm"] = float(
-                    torch.nn.utils.clip_grad_norm_(params, actor.grad_clip)
-                )
+                norm = float(torch.nn.utils.clip_grad_norm_(params, actor.grad_clip))
+                totals["actor/grad_norm"] = totals.get("actor/grad_norm", 0.0) + norm
             policy.optimizer.step()
-            for k, v in stats.items():
-                totals[k] = totals.get(k, 0.0) + v
             updates += 1
     return {k: v / updates for k, v in totals.items()}
