@@ -77,7 +77,9 @@ class ActorConfig:
         16  # prompts (groups of rollout.n responses) per optimizer step, as in verl
     )
     ppo_epochs: int = 1  # passes over each mini-batch
-    ppo_micro_batch_size_per_gpu: int = 0  # responses per forward/backward (gradient accumulation); 0: whole shard
+    ppo_micro_batch_size_per_gpu: int = (
+        0  # responses per forward/backward (gradient accumulation); 0: whole shard
+    )
     clip_ratio_low: float = 0.2  # PPO clip: ratio >= 1 - clip_ratio_low
     clip_ratio_high: float = 0.2  # PPO clip: ratio <= 1 + clip_ratio_high
     clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages (> 1)
@@ -393,3 +395,7 @@ def load_resolved(path: str | Path) -> Config:
     """Load a run directory's config.yaml (already validated when the run was created)."""
     merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+if __name__ == "__main__":  # python -m hpc_asyncppo.config: every key with its default
+    print(to_yaml(Config()), end="")

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-bash scripts/install.sh
+bash scripts/install.sh --with-vllm  # CI runs the vLLM tests on its CPU build
 $PYTHON -m ruff check .
 $PYTHON -m ruff format --check .
 set +e

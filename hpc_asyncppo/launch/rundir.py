@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from hpc_asyncppo.config import Config, to_yaml
+from hpc_asyncppo.config import Config, ConfigError, to_yaml
 
 CONFIG = "config.yaml"
 PREEMPTED = "preempted"
@@ -40,6 +40,10 @@ def prepare_run_dir(cfg: Config, run_dir: Path) -> Config:
             f"{run_dir} already holds a run (config.yaml exists); choose another --run-dir"
         )
     task = load_task(cfg.data)  # fails early on a bad dataset or task, before anything is written
+    if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} is not a Hugging Face model folder (no config.json)"
+        )
     for sub in ("ranks", "errors", "logs"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     if not cfg.model.path:

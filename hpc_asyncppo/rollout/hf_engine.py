@@ -7,6 +7,7 @@ same quantity the trainer recomputes, so the two agree up to float error for equ
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,11 +21,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class Generation:
-    """The n responses to one prompt. Shapes: (n, L) for ids and log-probs, (n,) for lengths."""
+    """The n responses to one prompt. Shapes: (n, L) for ids, log-probs and versions, (n,) for
+    lengths. ``versions``: the weights version that sampled each token (-1 past the length)."""
 
     response_ids: np.ndarray
     response_lengths: np.ndarray
     log_probs: np.ndarray
+    versions: np.ndarray
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +60,8 @@ class HFEngine:
         self.pad_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         )
+        self.version = -1
+        self.queued: dict[Hashable, tuple[list[int], int]] = {}
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -97,20 +102,48 @@ class HFEngine:
         padded_lp = torch.zeros((responses.shape[0], width), dtype=torch.float32)
         padded_ids[:, : responses.shape[1]] = torch.where(valid, responses, self.pad_id).int().cpu()
         padded_lp[:, : responses.shape[1]] = torch.where(valid, log_probs, 0.0).cpu()
+        versions = torch.where(valid, self.version, -1).int().cpu()
+        padded_versions = torch.full((responses.shape[0], width), -1, dtype=torch.int32)
+        padded_versions[:, : responses.shape[1]] = versions
         return [
             Generation(
                 response_ids=padded_ids[i * n : (i + 1) * n].numpy(),
                 response_lengths=lengths[i * n : (i + 1) * n].int().cpu().numpy(),
                 log_probs=padded_lp[i * n : (i + 1) * n].numpy(),
+                versions=padded_versions[i * n : (i + 1) * n].numpy(),
             )
             for i in range(len(prompts))
         ]
+
+    # The step interface of the rollout loop: one step generates every queued group to the end.
+    @property
+    def in_flight(self) -> int:
+        return len(self.queued)
+
+    def submit(self, key: Hashable, prompt: list[int], n: int) -> None:
+        if key in self.queued:
+            raise ValueError(f"a prompt group with key {key!r} is already in flight")
+        self.queued[key] = (list(prompt), n)
+
+    def step(self) -> list[tuple[Hashable, Generation]]:
+        by_n: dict[int, list[Hashable]] = {}
+        for key, (_, n) in self.queued.items():
+            by_n.setdefault(n, []).append(key)
+        done = []
+        for n, keys in by_n.items():
+            gens = self.generate([self.queued[key][0] for key in keys], n)
+            done += list(zip(keys, gens, strict=True))
+        self.queued.clear()
+        return done
+
+    def interrupt(self) -> None:
+        """Nothing runs between steps: a transformers generation cannot be cut."""
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.model.named_parameters())
 
     @torch.no_grad()
-    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int = -1) -> None:
         params = dict(self.model.named_parameters())
         if set(params) != set(tensors):
             missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
@@ -124,3 +157,7 @@ class HFEngine:
                     f"weight {name}: got {tuple(src.shape)} {src.dtype}, model has {tuple(param.shape)} {param.dtype}"
                 )
             param.copy_(src)
+        self.version = version
+
+    def close(self) -> None:
+        pass

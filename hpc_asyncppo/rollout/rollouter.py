@@ -1,9 +1,15 @@
 """The rollout rank's main loop.
 
-Read top to bottom: take control messages (credits, weight syncs, stop); if the trainer
-leader has granted credits, generate that many prompt groups (up to a batch) under the
-current weights, score them and send them; otherwise wait. The leader's credits are the
-whole flow and staleness control: a rank never generates what it was not granted.
+Read top to bottom: take control messages (credits, weight syncs, stop); start as many
+prompt groups as the trainer leader has granted credits for (at most
+``rollout.prompts_per_generate`` in flight); advance the engine one step (hf: a whole batch;
+vllm: one decoding step of every running request); score and send the groups that
+finished; wait when there is nothing to do. The leader's credits are the whole flow and
+staleness control: a rank never generates what it was not granted.
+
+A weight sync (SYNC) arrives between two engine steps. Without partial rollout the groups
+in flight finish under the old weights first and are sent; with it they are cut, keep
+their tokens, and continue under the new weights (``param_version_end`` > start).
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ from hpc_asyncppo.checkpoint.store import set_rng_state
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.launch.topology import Topology
 from hpc_asyncppo.rollout.cursor import PromptCursor
-from hpc_asyncppo.rollout.hf_engine import HFEngine
+from hpc_asyncppo.rollout.engine import make_engine
+from hpc_asyncppo.rollout.hf_engine import Generation
 from hpc_asyncppo.runlog import record_weight_digest
-from hpc_asyncppo.tasks import Prompt, Task, load_task
+from hpc_asyncppo.tasks import Prompt, Task, load_task, tokenize_prompt
 from hpc_asyncppo.timeline import Timeline
 from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleSender
 from hpc_asyncppo.transport.weights import WeightReceiver
@@ -36,7 +43,9 @@ class Rollouter:
         self.rank = topo.world_rank
         self.task: Task = load_task(cfg.data)
         self.prompts: list[Prompt] = list(self.task.prompts())
-        self.engine = HFEngine(cfg.model, cfg.rollout, topo.device)
+        self.engine = make_engine(cfg, topo.device)
+        # groups submitted to the engine: key -> (data epoch, prompt index, version at start)
+        self.in_flight: dict[tuple[int, int], tuple[int, int, int]] = {}
         self.cursor = PromptCursor(
             len(self.prompts), self.rank, topo.rollout_ranks, cfg.trainer.seed
         )
@@ -58,17 +67,15 @@ class Rollouter:
             stop = self.handle_control()
             if stop:
                 break
-            if self.credits == 0 or self.version < 0:
+            if self.version >= 0:
+                self.start_granted_groups()
+            if not self.in_flight:
                 self.wait_a_moment()
                 continue
             self._waiting_since = None
-            count = min(self.credits, self.cfg.rollout.prompts_per_generate)
-            self.credits -= count
-            with self.timeline.span("generate"):
-                groups = self.generate(count)
-            with self.timeline.span("send"):
-                for group in groups:
-                    self.sender.send(group)
+            self.step_and_send()
+        self.engine.interrupt()  # groups still in flight were never counted as sent
+        self.engine.close()
         with self.timeline.span("send"):
             self.sender.finish(self.cfg.timeouts.rank_wait_s)
         self.timeline.close()
@@ -80,12 +87,40 @@ class Rollouter:
             if kind == Control.CREDIT:
                 self.credits += value
             elif kind == Control.SYNC:
+                if self.cfg.async_training.partial_rollout:
+                    self.engine.interrupt()  # in-flight groups resume under the new weights
+                else:
+                    self.finish_in_flight()
                 self.receive_weights(expected=value)
             elif kind == Control.CHECKPOINT:
+                self.finish_in_flight()  # the data cursor is already past their prompts
                 self.send_state()
             elif kind == Control.STOP:
                 return True
         return False
+
+    def start_granted_groups(self) -> None:
+        """Submit new prompt groups while credits last, up to prompts_per_generate in flight."""
+        room = self.cfg.rollout.prompts_per_generate - len(self.in_flight)
+        for _ in range(max(0, min(self.credits, room))):
+            epoch, index = self.cursor.next()
+            self.engine.submit((epoch, index), self.prompt_ids(index), self.cfg.rollout.n)
+            self.in_flight[(epoch, index)] = (epoch, index, self.version)
+            self.credits -= 1
+
+    def step_and_send(self) -> None:
+        with self.timeline.span("generate"):
+            finished = self.engine.step()
+        if not finished:
+            return
+        with self.timeline.span("send"):
+            for key, gen in finished:
+                self.sender.send(self.sample_group(*self.in_flight.pop(key), gen))
+
+    def finish_in_flight(self) -> None:
+        """Generate every group in flight to its end under the current weights, and send it."""
+        while self.in_flight:
+            self.step_and_send()
 
     def send_state(self) -> None:
         """For a checkpoint: where this rank is in the data, its RNGs, and what it has sent.
@@ -106,7 +141,7 @@ class Rollouter:
             raise RuntimeError(
                 f"weight sync announced version {expected} but the broadcast carried {version}"
             )
-        self.engine.load_weights(tensors)
+        self.engine.load_weights(tensors, version)
         if self.version < 0:  # time counts from the first sync, as on the trainer
             self.started_at, self.idle_s = time.monotonic(), 0.0
         self.version = version
@@ -129,7 +164,7 @@ class Rollouter:
 
     def prompt_ids(self, index: int) -> list[int]:
         if index not in self._encoded:
-            ids = self.engine.encode(self.prompts[index].text)
+            ids = tokenize_prompt(self.engine.tokenizer, self.prompts[index])
             if len(ids) > self.cfg.data.max_prompt_length:
                 raise ValueError(
                     f"prompt {index} has {len(ids)} tokens, more than data.max_prompt_length={self.cfg.data.max_prompt_length}"
@@ -137,38 +172,34 @@ class Rollouter:
             self._encoded[index] = ids
         return self._encoded[index]
 
-    def generate(self, count: int) -> list[SampleGroup]:
-        picks = [self.cursor.next() for _ in range(count)]
-        prompt_ids = [self.prompt_ids(index) for _, index in picks]
-        version = self.version
-        generations = self.engine.generate(prompt_ids, self.cfg.rollout.n)
-        groups = []
-        for (epoch, index), ids, gen in zip(picks, prompt_ids, generations, strict=True):
-            prompt = self.prompts[index]
-            rewards = [
-                self.task.reward(
-                    prompt, self.engine.decode(gen.response_ids[j, : gen.response_lengths[j]])
-                )
-                for j in range(self.cfg.rollout.n)
-            ]
-            groups.append(
-                SampleGroup(
-                    seed=self.cfg.trainer.seed,
-                    epoch=epoch,
-                    prompt_index=index,
-                    rollout_rank=self.rank,
-                    param_version_start=version,
-                    param_version_end=version,
-                    prompt_ids=np.asarray(ids, dtype=np.int32),
-                    response_ids=gen.response_ids,
-                    response_lengths=gen.response_lengths,
-                    rollout_log_probs=gen.log_probs,
-                    rewards=np.asarray(rewards, dtype=np.float32),
-                    rollout_idle_s=self.idle_s,
-                    rollout_elapsed_s=time.monotonic() - self.started_at,
-                )
+    def sample_group(
+        self, epoch: int, index: int, version_start: int, gen: Generation
+    ) -> SampleGroup:
+        """Score one finished group. Its end version is the newest that sampled any of its
+        tokens: later than the start only when partial rollout cut it at a sync."""
+        prompt = self.prompts[index]
+        n = self.cfg.rollout.n
+        rewards = [
+            self.task.reward(
+                prompt, self.engine.decode(gen.response_ids[j, : gen.response_lengths[j]])
             )
-        return groups
+            for j in range(n)
+        ]
+        return SampleGroup(
+            seed=self.cfg.trainer.seed,
+            epoch=epoch,
+            prompt_index=index,
+            rollout_rank=self.rank,
+            param_version_start=version_start,
+            param_version_end=max(version_start, int(gen.versions.max())),
+            prompt_ids=np.asarray(self.prompt_ids(index), dtype=np.int32),
+            response_ids=gen.response_ids,
+            response_lengths=gen.response_lengths,
+            rollout_log_probs=gen.log_probs,
+            rewards=np.asarray(rewards, dtype=np.float32),
+            rollout_idle_s=self.idle_s,
+            rollout_elapsed_s=time.monotonic() - self.started_at,
+        )
 
 
 def run_rollouter(

@@ -1,0 +1,72 @@
+"""What the rollout loop needs from a generation engine, and the choice between the two.
+
+``hf`` (transformers ``generate``: any device, one batch at a time) and ``vllm``
+(continuous batching, in-place weight updates, interruptible for partial rollout). Both
+take token-id prompts and return ``Generation``s laid out alike: ids right-padded with the
+pad token, lengths that count the EOS, log-probs 0 and versions -1 past the length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from hpc_asyncppo.config import Config
+from hpc_asyncppo.rollout.hf_engine import Generation, HFEngine
+
+
+class RolloutEngine(Protocol):
+    eos_id: int
+    pad_id: int
+    tokenizer: Any  # the model's HF tokenizer (chat template, decoding)
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: np.ndarray) -> str: ...
+
+    @property
+    def in_flight(self) -> int:
+        """Prompt groups submitted and not yet returned by ``step``."""
+        ...
+
+    def submit(self, key: Hashable, prompt: list[int], n: int) -> None:
+        """Queue n responses to ``prompt``; ``step`` returns them under ``key``."""
+        ...
+
+    def step(self) -> list[tuple[Hashable, Generation]]:
+        """Advance generation (hf: to the end; vllm: one decoding step); finished groups."""
+        ...
+
+    def interrupt(self) -> None:
+        """Cut running generations, keeping their tokens; they resume at the next ``step``
+        under whatever weights are loaded then (a no-op for hf, where nothing runs)."""
+        ...
+
+    def generate(self, prompts: list[list[int]], n: int) -> list[Generation]:
+        """Sample n responses for every prompt, to completion."""
+        ...
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None: ...
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]: ...
+
+    def close(self) -> None: ...
+
+
+def make_engine(cfg: Config, device: torch.device) -> RolloutEngine:
+    """The engine ``cfg.rollout.engine`` names, for a rollout rank on ``device``."""
+    if cfg.rollout.engine == "vllm":
+        from hpc_asyncppo.rollout.vllm_engine import VLLMEngine  # vLLM is an optional install
+
+        return VLLMEngine(
+            cfg.model,
+            cfg.rollout,
+            device,
+            max_prompt_length=cfg.data.max_prompt_length,
+            seed=cfg.trainer.seed,
+            keep_loaded=cfg.trainer.record_weight_digests,
+        )
+    return HFEngine(cfg.model, cfg.rollout, device)

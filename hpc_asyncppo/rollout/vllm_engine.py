@@ -1,0 +1,363 @@
+"""Rollout engine on vLLM: continuous batching, sampled-token log-probs, in-place weight
+updates, and interruption for partial rollout.
+
+vLLM's engine core and worker run in a child process (``LLMEngine`` in multiprocess
+mode): the rollout rank's own process already belongs to the job's torch.distributed
+world, which vLLM's in-process worker would try to reuse as its own. The rollout rank
+drives the engine step by step (``submit`` prompt groups, ``step`` until they finish), so
+its loop can read control messages between two decoding steps.
+
+Log-probs: ``logprobs_mode="processed_logprobs"`` returns log_softmax(logits / temperature)
+of each sampled token, over the full vocabulary when top_k and top_p are off: the same
+quantity the trainer recomputes. (vLLM's default, ``raw_logprobs``, ignores the
+temperature.) With top_k or top_p on, vLLM reports the log-prob under the truncated
+distribution it sampled from, which the transformers engine and the trainer do not.
+
+Weights: the rollout rank receives the trainer's broadcast as before, then pushes the
+tensors into the worker through vLLM's weight-transfer API (``start_weight_update``,
+``update_weights``, ``finish_weight_update``): on CPU with our gloo engine
+(``vllm_worker.py``), on GPUs with vLLM's CUDA-IPC engine (the rollout rank and its vLLM
+worker share the GPU, and NCCL refuses two ranks on one device). The prefix cache is reset
+after every update: cached KV blocks hold keys and values of the old weights.
+
+Partial rollout: ``interrupt()`` aborts every running request and keeps its tokens and
+log-probs; the next ``step()`` after the weight update resubmits each one with its
+partial response appended to the prompt, so the rest is sampled under the new weights
+(its prefix recomputed with them). ``Generation.versions`` records, per token, the
+weights version that sampled it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+from collections.abc import Hashable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer
+
+from hpc_asyncppo.config import ModelConfig, RolloutConfig
+from hpc_asyncppo.rollout.hf_engine import Generation
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "hpc_asyncppo.rollout.vllm_worker.WorkerExtension"
+
+
+def set_vllm_environment(device: torch.device, cpu_kv_cache_gb: float) -> None:
+    """Environment vLLM reads at engine start; values already set by the user win."""
+    # The worker must live in a child process (see the module docstring), and a forked
+    # child would inherit the MPI library's state and threads mid-flight: spawn it.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    if device.type == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cpu_kv_cache_gb:g}")
+
+
+@dataclass
+class _Response:
+    """One of a group's n responses: what it has sampled so far, and under which weights."""
+
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finished: bool = False
+    request_id: str | None = None  # the vLLM request generating it now; None: not running
+
+
+@dataclass
+class _Group:
+    prompt: list[int]
+    responses: list[_Response]
+
+
+class VLLMEngine:
+    def __init__(
+        self,
+        model: ModelConfig,
+        rollout: RolloutConfig,
+        device: torch.device,
+        max_prompt_length: int,
+        seed: int = 0,
+        keep_loaded: bool = False,
+    ):
+        set_vllm_environment(device, rollout.cpu_kv_cache_gb)
+        from vllm import EngineArgs, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        from hpc_asyncppo.rollout.vllm_worker import GLOO_BACKEND
+
+        self.cfg, self.device = rollout, device
+        self.tokenizer = AutoTokenizer.from_pretrained(model.path)
+        self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+        )
+        on_gpu = device.type == "cuda"
+        args = EngineArgs(
+            model=model.path,
+            dtype=model.dtype,
+            seed=seed,
+            # a resumed response is prompt + partial response: at most this long
+            max_model_len=max_prompt_length + rollout.response_length,
+            enforce_eager=rollout.enforce_eager or not on_gpu,
+            tensor_parallel_size=rollout.tensor_parallel_size,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
+            weight_transfer_config={"backend": "ipc" if on_gpu else GLOO_BACKEND},
+            disable_log_stats=True,
+        )
+        self.llm = LLMEngine.from_engine_args(args)
+        self.sampling = SamplingParams(
+            n=1,  # each response is its own request: partial rollout resumes them one by one
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k if rollout.top_k > 0 else -1,
+            max_tokens=rollout.response_length,
+            logprobs=0,  # the sampled token's only
+            stop_token_ids=[self.eos_id],
+            output_kind=RequestOutputKind.DELTA,
+        )
+        self.version = -1
+        self.groups: dict[Hashable, _Group] = {}
+        self.running: dict[str, tuple[Hashable, int]] = {}  # request id -> (group key, response)
+        self._ids = itertools.count()
+        self.keep_loaded = keep_loaded
+        self._loaded: dict[str, torch.Tensor] = {}
+        self.transfer = (
+            IPCWeightPush(self.llm)
+            if on_gpu
+            else GlooWeightPush(self.llm, rollout.tensor_parallel_size)
+        )
+
+    # --- tokens -----------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: np.ndarray) -> str:
+        return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+
+    # --- generation ---------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        """Prompt groups submitted and not yet returned by ``step``."""
+        return len(self.groups)
+
+    def submit(self, key: Hashable, prompt: list[int], n: int) -> None:
+        """Start sampling n responses to ``prompt``; ``step`` returns them under ``key``."""
+        if key in self.groups:
+            raise ValueError(f"a prompt group with key {key!r} is already in flight")
+        self.groups[key] = _Group(list(prompt), [_Response() for _ in range(n)])
+        for j in range(n):
+            self._start(key, j)
+
+    def step(self) -> list[tuple[Hashable, Generation]]:
+        """One decoding step of every running request (resuming interrupted ones first);
+        returns the groups whose n responses are all finished."""
+        for key, group in self.groups.items():
+            for j, response in enumerate(group.responses):
+                if not response.finished and response.request_id is None:
+                    self._start(key, j)
+        if not self.running:
+            return []
+        done = []
+        for out in self.llm.step():
+            if out.request_id not in self.running:
+                continue  # a straggler output of an aborted request
+            key, j = self.running[out.request_id]
+            response = self.groups[key].responses[j]
+            completion = out.outputs[0]
+            response.tokens += completion.token_ids
+            response.log_probs += [
+                lp[tok].logprob
+                for tok, lp in zip(completion.token_ids, completion.logprobs, strict=True)
+            ]
+            response.versions += [self.version] * len(completion.token_ids)
+            if out.finished:
+                response.finished, response.request_id = True, None
+                del self.running[out.request_id]
+                if all(r.finished for r in self.groups[key].responses):
+                    done.append((key, self._generation(self.groups.pop(key))))
+        return done
+
+    def interrupt(self) -> None:
+        """Abort every running request; each keeps its tokens and resumes at the next step."""
+        if not self.running:
+            return
+        self.llm.abort_request(list(self.running))
+        for key, j in self.running.values():
+            self.groups[key].responses[j].request_id = None
+        self.running.clear()
+
+    def generate(self, prompts: list[list[int]], n: int) -> list[Generation]:
+        """Sample n responses for every prompt (token ids), to completion."""
+        keys = [("generate", next(self._ids)) for _ in prompts]
+        for key, prompt in zip(keys, prompts, strict=True):
+            self.submit(key, prompt, n)
+        results: dict[Hashable, Generation] = {}
+        while len(results) < len(keys):
+            results.update(self.step())
+        return [results[key] for key in keys]
+
+    def _start(self, key: Hashable, j: int) -> None:
+        from vllm.inputs import TokensPrompt
+
+        group = self.groups[key]
+        response = group.responses[j]
+        params = self.sampling.clone()
+        params.max_tokens = self.cfg.response_length - len(response.tokens)
+        request_id = f"r{next(self._ids)}"
+        self.llm.add_request(
+            request_id, TokensPrompt(prompt_token_ids=group.prompt + response.tokens), params
+        )
+        response.request_id = request_id
+        self.running[request_id] = (key, j)
+
+    def _generation(self, group: _Group) -> Generation:
+        """Right-padded arrays, lengths including the EOS, log-probs 0 and versions -1 past it."""
+        n, width = len(group.responses), self.cfg.response_length
+        ids = np.full((n, width), self.pad_id, dtype=np.int32)
+        log_probs = np.zeros((n, width), dtype=np.float32)
+        versions = np.full((n, width), -1, dtype=np.int32)
+        lengths = np.zeros(n, dtype=np.int32)
+        for j, r in enumerate(group.responses):
+            length = len(r.tokens)
+            ids[j, :length], log_probs[j, :length], versions[j, :length] = (
+                r.tokens,
+                r.log_probs,
+                r.versions,
+            )
+            lengths[j] = length
+        return Generation(ids, lengths, log_probs, versions)
+
+    # --- weights ------------------------------------------------------------------------
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The tensors of the last update (kept only with ``keep_loaded``): vLLM's own copies
+        are repacked and cannot be read back under their checkpoint names."""
+        if not self.keep_loaded:
+            raise RuntimeError("VLLMEngine keeps the loaded weights only with keep_loaded=True")
+        return list(self._loaded.items())
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Load new weights into the vLLM worker(s) in place, then drop cached KV blocks."""
+        if self.running:
+            raise RuntimeError(
+                "load_weights with requests running: interrupt() or finish them first"
+            )
+        self.transfer.push(tensors)
+        self.llm.reset_prefix_cache()
+        self.version = version
+        if self.keep_loaded:
+            self._loaded = {name: t.clone() for name, t in tensors.items()}
+
+    def close(self) -> None:
+        self.transfer.close()
+        self.llm.engine_core.shutdown()
+
+
+def _update_info(tensors: dict[str, torch.Tensor]) -> dict:
+    return {
+        "names": list(tensors),
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+        "shapes": [list(t.shape) for t in tensors.values()],
+    }
+
+
+class GlooWeightPush:
+    """CPU: this process is rank 0 of a gloo group with the vLLM worker(s) and broadcasts
+    each tensor while the workers receive it inside vLLM's ``update_weights``."""
+
+    def __init__(self, llm, workers: int, timeout_s: float = 300.0):
+        from hpc_asyncppo.rollout.vllm_worker import open_group
+
+        self.llm = llm
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        info = {
+            "host": "127.0.0.1",
+            "port": port,
+            "world_size": 1 + workers,
+            "timeout_s": timeout_s,
+        }
+        # Both sides block in the rendezvous: the workers' half runs on a side thread.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            joined = pool.submit(llm.collective_rpc, "init_weight_transfer_engine", args=(info,))
+            self.group = open_group("127.0.0.1", port, 0, 1 + workers, timeout_s)
+            joined.result()
+
+    def push(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.llm.collective_rpc("start_weight_update")
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            received = pool.submit(
+                self.llm.collective_rpc, "update_weights", args=(_update_info(tensors),)
+            )
+            for tensor in tensors.values():
+                self.group.broadcast(tensor.detach().cpu().contiguous(), 0).wait()
+            received.result()
+        self.llm.collective_rpc("finish_weight_update")
+
+    def close(self) -> None:
+        self.group = None
+
+
+class IPCWeightPush:
+    """GPU: vLLM's CUDA-IPC engine maps the rollout rank's received tensors into the
+    worker(s) on the same node, without a copy through host memory. UNTESTED here (no GPU)."""
+
+    def __init__(self, llm):
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        class LatestTensors(WeightSource):
+            tensors: dict[str, torch.Tensor] = {}
+
+            def metadata(self) -> list[ParamMeta]:
+                return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
+
+            def __iter__(self):
+                return iter(self.tensors.items())
+
+        self.source = LatestTensors()
+        self.sender = WeightTransferTrainerFactory.trainer_init(
+            IPCTrainerInitInfo(rank=0), client=_RpcClient(llm), source=self.source
+        )
+
+    def push(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.source.tensors = tensors
+        self.sender.send_weights()
+        self.source.tensors = {}
+
+    def close(self) -> None:
+        self.sender.shutdown()
+
+
+class _RpcClient:
+    """vLLM's ``VLLMWeightSyncClient`` over the engine's collective_rpc."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
+
+    def start_weight_update(self) -> None:
+        self.llm.collective_rpc("start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self.llm.collective_rpc("update_weights", args=(update_info,))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.collective_rpc("finish_weight_update")
