@@ -111,3 +111,23 @@ def test_cli_rejects_bad_key_in_one_line_before_any_rank_starts(tmp_path):
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert "unknown config key 'actor.lrr'" in proc.stderr
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["async_training.partial_rollout=true"], "partial_rollout=true needs rollout.engine=vllm"),
+        (["rollout.tensor_parallel_size=2"], "tensor_parallel_size > 1 needs rollout.engine=vllm"),
+        (["rollout.engine=vllm"], "head size"),  # the tiny model's 64/4 = 16
+    ],
+)
+def test_engine_specific_settings_are_checked(overrides, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(overrides=overrides)
+    load_config(
+        overrides=[
+            "rollout.engine=vllm",
+            "model.tiny.num_heads=2",
+            "async_training.partial_rollout=true",
+        ]
+    )

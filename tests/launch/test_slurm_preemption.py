@@ -45,9 +45,20 @@ def restarts(run_dir: Path) -> int:
 
 
 def start_now(job_id: str) -> None:
-    """A requeued job waits for a begin time Slurm sets minutes ahead; the test skips the wait."""
+    """A requeued job waits for a begin time Slurm sets minutes ahead; the test skips the wait
+    (an update made while the requeue is still settling can be lost: repeat it)."""
     wait_for(lambda: job_state(job_id) == "PENDING", f"job {job_id} to be pending again")
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+
+    def started() -> bool:
+        if job_state(job_id) != "PENDING":
+            return True
+        subprocess.run(
+            ["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True
+        )
+        time.sleep(2)
+        return False
+
+    wait_for(started, f"job {job_id} to start again")
 
 
 def test_warning_signal_and_requeue_resume_with_every_sample_once(shared_dir: Path) -> None:
