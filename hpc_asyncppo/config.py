@@ -164,6 +164,7 @@ class TimeoutConfig:
     sample_wait_s: float = 300.0  # trainer waiting for samples longer than this is an error
     weight_sync_s: float = 300.0  # a weight broadcast or its announcement taking longer is an error
     rank_wait_s: float = 300.0  # any other wait for a peer rank (batch shards, shutdown)
+    step_exit_s: float = 60.0  # Slurm: srun still running this long after every rank ended is ended
 
 
 @dataclass

@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     from hpc_asyncppo.launch.topology import ROLLOUT, role_of, rollout_rank_count
 
     install_stop_handlers()  # first: a warning signal during start-up must not kill the rank
-    rank = MPI.COMM_WORLD.Get_rank()
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     role = "unknown"
     logging.basicConfig(
         filename=run_dir / "logs" / f"rank{rank}.log",
@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
     )
     try:
         role = role_of(rank, rollout_rank_count())
-        write_rank_info(run_dir, rank, role, "starting")
+        write_rank_info(run_dir, rank, size, role, "starting")
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
         cfg = load_resolved(run_dir / "config.yaml")
         topo = build_topology(rollout_rank_count(), cfg.timeouts.weight_sync_s)
         checkpoint = find_resume_checkpoint(run_dir, topo)
-        write_rank_info(run_dir, rank, role, "running")
+        write_rank_info(run_dir, rank, size, role, "running")
         if role == ROLLOUT:
             from hpc_asyncppo.rollout.rollouter import run_rollouter
 
@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
 
             run_trainer(cfg, topo, run_dir, checkpoint)
         close_topology(topo)
-        write_rank_info(run_dir, rank, role, "done")
+        write_rank_info(run_dir, rank, size, role, "done")
         return 0
     except BaseException as exc:  # noqa: BLE001 - every failure must end the whole job
         logging.getLogger(__name__).error("rank %d failed:\n%s", rank, traceback.format_exc())
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
         message = f"rank {rank} ({role}, {host}): {type(exc).__name__}: {exc}"
         write_rank_error(run_dir, rank, message + "\n\n" + traceback.format_exc())
         print(message, file=sys.stderr, flush=True)
-        write_rank_info(run_dir, rank, role, "failed")
+        write_rank_info(run_dir, rank, size, role, "failed")
         MPI.COMM_WORLD.Abort(1)
         return 1
 

@@ -57,11 +57,12 @@ def prepare_run_dir(cfg: Config, run_dir: Path) -> Config:
     return cfg
 
 
-def write_rank_info(run_dir: Path, rank: int, role: str, state: str) -> None:
+def write_rank_info(run_dir: Path, rank: int, world_size: int, role: str, state: str) -> None:
     from hpc_asyncppo.launch.slurm.placement import slurm_placement
 
     info = {
         "rank": rank,
+        "world_size": world_size,
         "role": role,
         **slurm_placement(rank),  # host, and under Slurm the node, partition, job, het group
         "pid": os.getpid(),

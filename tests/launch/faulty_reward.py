@@ -1,4 +1,4 @@
-"""A reward function that fails on one rank, to test that one dying rank ends the whole job.
+"""Reward functions that misbehave on one rank, to test that the whole job still ends.
 
 Used as ``data.reward_fn=tests.launch.faulty_reward:fail_on_rank1`` (importable from the
 repository root, the job's working directory).
@@ -7,6 +7,7 @@ repository root, the job's working directory).
 from __future__ import annotations
 
 import os
+import threading
 
 _calls = 0
 
@@ -18,4 +19,15 @@ def fail_on_rank1(prompt: object, response_text: str) -> float:
         _calls += 1
         if _calls > 50:
             raise RuntimeError("injected failure on rank 1")
+    return 0.0
+
+
+def linger_on_rank1(prompt: object, response_text: str) -> float:
+    """0.0; on world rank 1 it also leaves a non-daemon thread that never ends, so that
+    rank finishes its work (state "done") but its process never exits: Python waits for
+    the thread at shutdown. The job must end anyway."""
+    global _calls
+    if os.environ.get("SLURM_PROCID") == "1" and _calls == 0:
+        _calls += 1
+        threading.Thread(target=threading.Event().wait, name="lingering").start()
     return 0.0

@@ -206,6 +206,33 @@ def test_a_killed_rank_ends_the_whole_job(shared_dir: Path) -> None:
     assert_no_processes_left(run_dir)
 
 
+def test_a_rank_that_never_exits_after_finishing_does_not_hold_the_job(shared_dir: Path) -> None:
+    """Every rank done but the step never ends (here a rank's process lingers; in Slurm
+    22.05 srun itself sometimes hangs): the batch script ends srun after
+    timeouts.step_exit_s and the job completes."""
+    run_dir = shared_dir / "run"
+    proc = subprocess.run(
+        submit(
+            run_dir,
+            "--wait",
+            "timeouts.step_exit_s=5",
+            "data.reward_fn=tests.launch.faulty_reward:linger_on_rank1",
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id = (run_dir / "slurm" / "job_id").read_text().strip()
+    assert job_state(job_id) == "COMPLETED"
+    err = (run_dir / "slurm" / f"{job_id}_0_log.err").read_text()
+    assert "srun has not exited 5 s after the step ended (all 3 ranks finished)" in err, err
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == load_resolved(run_dir / "config.yaml").trainer.total_steps
+    assert_no_processes_left(run_dir)
+
+
 def test_standalone_template_runs_with_sbatch(shared_dir: Path) -> None:
     """slurm/hetjob.sbatch, submitted by hand with the documented variables."""
     run_dir = shared_dir / "run"

@@ -23,6 +23,7 @@ from hpc_asyncppo.launch.slurm.script import (
 
 GOLDEN = Path(__file__).parent / "golden"
 RUN_DIR = "/shared/runs/golden"
+STEP_START = '"$HPC_ASYNCPPO_PYTHON" -m hpc_asyncppo.launch.slurm.step'
 
 CASES: dict[str, list[str]] = {
     # The local test cluster's YAML plus the flags a user would add.
@@ -91,8 +92,10 @@ def test_components_in_order_and_one_het_step() -> None:
             and "--account=proj42" in part
             and "--signal=USR2@90" in part
         )
-    srun = [line for line in text.splitlines() if line.startswith("srun ")]
+    srun = [line for line in text.splitlines() if line.lstrip().startswith("srun ")]
     assert len(srun) == 1 and "--het-group=0,1" in srun[0] and "--mpi=pmi2" in srun[0]
+    # srun runs under the step wrapper, which ends it if it outlives the ranks.
+    assert "-m hpc_asyncppo.launch.slurm.step " in _step(text)
     # setup lines run before srun.
     assert text.index("module load cuda/12.4") < text.index("srun ")
 
@@ -115,8 +118,11 @@ def _sbatch_options(text: str) -> list[str]:
     return [o for o in options if not re.match(r"#SBATCH --(output|error)=", o)]
 
 
-def _srun_line(text: str) -> str:
-    return next(line for line in text.splitlines() if line.startswith("srun "))
+def _step(text: str) -> str:
+    """The job step's command: the step wrapper and the srun it runs (continued lines joined)."""
+    start = text.index(STEP_START)
+    end = text.index("\n", text.index("srun ", start))
+    return " ".join(text[start:end].replace("\\\n", " ").split())
 
 
 def test_template_is_equivalent_to_generated_script() -> None:
@@ -124,10 +130,10 @@ def test_template_is_equivalent_to_generated_script() -> None:
     template = TEMPLATE_PATH.read_text()
     generated = batch_script(template_config(), "/shared/run", python="python3")
     assert _sbatch_options(template) == _sbatch_options(generated)
-    assert _srun_line(template) == _srun_line(generated)
+    assert _step(template) == _step(generated)
     # Both define the two variables the srun line reads before it runs.
     for text in (template, generated):
-        head = text[: text.index("\nsrun ")]
+        head = text[: text.index(STEP_START)]
         assert "HPC_ASYNCPPO_RUN_DIR" in head and "HPC_ASYNCPPO_PYTHON=" in head
     assert "set -e" in template and "set -e" in generated
 

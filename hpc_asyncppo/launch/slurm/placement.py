@@ -39,4 +39,8 @@ def slurm_placement(
         "slurm_partition": env.get(f"SLURM_JOB_PARTITION{suffix}", env.get("SLURM_JOB_PARTITION")),
         "slurm_job_id": env.get("SLURM_JOB_ID"),
         "slurm_het_group": group,
+        # A requeued job keeps its id; the restart count tells its attempts apart.
+        "slurm_restart_count": env.get("SLURM_RESTART_COUNT", "0")
+        if "SLURM_JOB_ID" in env
+        else None,
     }

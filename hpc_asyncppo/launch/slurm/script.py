@@ -17,6 +17,7 @@ from pathlib import Path
 from hpc_asyncppo.launch.slurm.options import ComponentConfig, SlurmConfig
 
 RANK_MODULE = "hpc_asyncppo.launch.rank"
+STEP_MODULE = "hpc_asyncppo.launch.slurm.step"
 TEMPLATE_PATH = Path(__file__).resolve().parents[3] / "slurm" / "hetjob.sbatch"
 
 TEMPLATE_HEADER = """\
@@ -106,9 +107,11 @@ def srun_command(cfg: SlurmConfig) -> str:
     # component holding GPUs); --label prefixes each output line with the world rank.
     opts = [f"--mpi={cfg.mpi}", "--het-group=0,1", "--kill-on-bad-exit=1", "--label"]
     opts += [shlex.quote(a) for a in cfg.srun_args]
-    return (
+    srun = (
         f'srun {" ".join(opts)} "$HPC_ASYNCPPO_PYTHON" -u -m {RANK_MODULE} "$HPC_ASYNCPPO_RUN_DIR"'
     )
+    # The step module runs srun and ends it if it outlives the ranks (a Slurm 22.05 hang).
+    return f'"$HPC_ASYNCPPO_PYTHON" -m {STEP_MODULE} "$HPC_ASYNCPPO_RUN_DIR" \\\n    {srun}'
 
 
 REQUEUE = """\

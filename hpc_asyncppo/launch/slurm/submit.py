@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import re
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from hpc_asyncppo.launch.rundir import rank_errors
 from hpc_asyncppo.launch.slurm.cluster import ACTIVE_STATES, SlurmError, job_state
 from hpc_asyncppo.launch.slurm.executor import HetJobExecutor
 from hpc_asyncppo.launch.slurm.script import batch_script
+from hpc_asyncppo.launch.slurm.step import ENDING_SRUN, task_death
 
 POLL_S = 2.0
 # After the last task ends Slurm needs a moment (COMPLETING) before the final state shows.
@@ -118,23 +118,19 @@ def _state_watcher(job_id: str, run_dir: Path) -> Callable[[], bool]:
     return is_running
 
 
-# srun's report of a task that died (not of those it then terminated itself), e.g.
-# "srun: error: n1: task 1: Killed"; task numbers count within each het component.
-_TASK_DEATH = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+)$")
-
-
 def task_deaths(run_dir: Path, job_id: str) -> list[str]:
     """Ranks that died without recording an error (killed, segfault), as srun saw them."""
     err = log_path(run_dir, job_id).with_suffix(".err")
     if not err.exists():
         return []
-    lines = []
+    deaths = []
     for line in err.read_text(errors="replace").splitlines():
-        match = _TASK_DEATH.match(line.strip())
-        if match and match.group(3) != "Terminated":
-            node, tasks, reason = match.groups()
-            lines.append(f"task {tasks} of its het component on node {node}: {reason}")
-    return lines
+        if line.startswith(ENDING_SRUN):
+            break  # tasks killed from here on were ended with srun by the step wrapper
+        death = task_death(line)
+        if death:
+            deaths.append(death)
+    return deaths
 
 
 def log_path(run_dir: Path, job_id: str) -> Path:

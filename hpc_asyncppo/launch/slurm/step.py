@@ -1,0 +1,176 @@
+"""The batch script's job step: run srun, and end it if it outlives its ranks.
+
+    python -m hpc_asyncppo.launch.slurm.step RUN_DIR srun ... python -m hpc_asyncppo.launch.rank RUN_DIR
+
+Slurm 22.05's srun sometimes never exits after a heterogeneous step has ended: both
+step daemons log "done with job", every task is gone, and srun waits on, holding both
+allocations until the time limit (seen about once per full test suite on the local
+cluster, after normal ends and after --kill-on-bad-exit alike). A hung srun also never
+reaches the batch script's requeue line, so a preempted run would not come back.
+
+This wrapper runs srun as a child, copies its stderr through (noting srun's reports of
+dead tasks), and watches RUN_DIR/ranks/rank{i}.json of the current attempt (same job id
+and restart count). Once the step has ended, because every rank wrote a final state or
+a rank failed or died, srun gets ``timeouts.step_exit_s`` to exit; after that it is
+terminated, and the wrapper exits 0 if every rank finished ("done"), 1 otherwise. When
+srun exits by itself, which is the normal case, its exit status is passed on unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+POLL_S = 1.0
+TERMINATE_WAIT_S = 15.0  # after SIGTERM, before SIGKILL
+# Starts the line the wrapper writes to the job's stderr when it ends srun itself; srun's
+# reports of tasks killed after it are the wrapper's doing, not deaths.
+ENDING_SRUN = "hpc_asyncppo step: srun has not exited"
+
+# srun's report of a task that died (not of those it then terminated itself), e.g.
+# "srun: error: n1: task 1: Killed"; task numbers count within each het component.
+TASK_DEATH = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+)$")
+
+
+def task_death(line: str) -> str | None:
+    """A readable description of the task death ``line`` reports, or None."""
+    match = TASK_DEATH.match(line.strip())
+    if not match or match.group(3) == "Terminated":
+        return None
+    node, tasks, reason = match.groups()
+    return f"task {tasks} of its het component on node {node}: {reason}"
+
+
+@dataclass
+class StepWatch:
+    """What is known of the current attempt's ranks; ``ended()`` says whether the step is over."""
+
+    run_dir: Path
+    job_id: str | None
+    restart_count: str | None
+    expected_ranks: int | None  # from the batch environment; a rank's world_size wins
+    deaths: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_env(cls, run_dir: Path, env: Mapping[str, str]) -> StepWatch:
+        groups = int(env.get("SLURM_HET_SIZE", "0") or 0)
+        counts = [env.get(f"SLURM_NTASKS_HET_GROUP_{g}") for g in range(groups)]
+        expected = sum(int(c) for c in counts if c) if groups and all(counts) else None
+        return cls(
+            run_dir,
+            env.get("SLURM_JOB_ID"),
+            env.get("SLURM_RESTART_COUNT", "0"),
+            expected,
+        )
+
+    def ranks(self) -> list[dict]:
+        """This attempt's rank records (earlier attempts of a requeued job are skipped)."""
+        records = []
+        for path in (self.run_dir / "ranks").glob("rank*.json"):
+            try:
+                info = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue  # being replaced right now; read again next poll
+            if (
+                info.get("slurm_job_id") == self.job_id
+                and info.get("slurm_restart_count") == self.restart_count
+            ):
+                records.append(info)
+        return records
+
+    def ended(self) -> tuple[str, bool] | None:
+        """(why the step is over, whether every rank finished), or None while it runs."""
+        ranks = self.ranks()
+        failed = sorted(r["rank"] for r in ranks if r.get("state") == "failed")
+        if failed:
+            return f"rank {', '.join(map(str, failed))} failed", False
+        if self.deaths:
+            return f"srun reported {self.deaths[0]}", False
+        world = max((r.get("world_size", 0) for r in ranks), default=0) or self.expected_ranks
+        done = sum(r.get("state") == "done" for r in ranks)
+        if world and done >= world:
+            return f"all {world} ranks finished", True
+        return None
+
+
+def run_step(command: list[str], watch: StepWatch, exit_grace_s: float) -> int:
+    """Run ``command`` (srun); returns its exit status, or ours if it had to be ended."""
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace")
+    reader = threading.Thread(target=_copy_stderr, args=(proc, watch), daemon=True)
+    reader.start()
+    # A signal meant for the batch script (scancel --batch, a preemption) goes on to srun,
+    # which passes it to the ranks; the wrapper itself keeps waiting for srun.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: _forward(proc, signum))
+    ended_at: float | None = None
+    while proc.poll() is None:
+        time.sleep(POLL_S)
+        if ended_at is None:
+            ended = watch.ended()
+            if ended is not None:
+                ended_at, (reason, ok) = time.monotonic(), ended
+        elif time.monotonic() - ended_at > exit_grace_s and proc.poll() is None:
+            print(
+                f"{ENDING_SRUN} {exit_grace_s:.0f} s after the step ended ({reason}); ending it "
+                "(a known Slurm hang of heterogeneous steps; timeouts.step_exit_s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            _end(proc)
+            reader.join(timeout=5.0)
+            return 0 if ok else 1
+    reader.join(timeout=5.0)
+    rc = proc.returncode
+    return 128 - rc if rc < 0 else rc  # killed by a signal: the shell's convention
+
+
+def _copy_stderr(proc: subprocess.Popen, watch: StepWatch) -> None:
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        death = task_death(line)
+        if death:
+            watch.deaths.append(death)
+
+
+def _forward(proc: subprocess.Popen, signum: int) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signum)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=TERMINATE_WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=TERMINATE_WAIT_S)
+
+
+def _exit_grace(run_dir: Path) -> float:
+    from hpc_asyncppo.config import load_resolved
+
+    return load_resolved(run_dir / "config.yaml").timeouts.step_exit_s
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print("usage: python -m hpc_asyncppo.launch.slurm.step RUN_DIR COMMAND...", file=sys.stderr)
+        return 2
+    run_dir = Path(argv[0]).resolve()
+    watch = StepWatch.from_env(run_dir, os.environ)
+    return run_step(argv[1:], watch, _exit_grace(run_dir))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
