@@ -1,14 +1,21 @@
-"""Fixtures shared by every test folder: the tiny model, built once per session."""
+"""Fixtures shared by every test folder: the tiny model, built once per session, and the
+rollout-vs-trainer log-prob comparison every engine test makes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from hpc_asyncppo.config import DataConfig, TinyModelConfig
 from hpc_asyncppo.models.tiny import build_tiny_model
 from hpc_asyncppo.tasks import load_task
+from hpc_asyncppo.trainer.batch import collate, to_tensors
+from hpc_asyncppo.trainer.policy import Policy
+from hpc_asyncppo.transport.samples import SampleGroup
 
 
 @pytest.fixture(scope="session")
@@ -16,3 +23,37 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default task's tiny Llama and tokenizer, saved in HF format."""
     out = tmp_path_factory.mktemp("tiny_model")
     return build_tiny_model(out, load_task(DataConfig()).vocabulary(), TinyModelConfig(), seed=3)
+
+
+def trainer_log_probs(
+    policy: Policy, prompts: list[list[int]], gens: list, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The trainer's log-probs of an engine's generations, as a training batch computes them:
+    (trainer log-probs, rollout log-probs, response mask), each (B, L), on the policy's device."""
+    groups = [
+        SampleGroup(
+            seed=0,
+            epoch=0,
+            prompt_index=i,
+            rollout_rank=0,
+            param_version_start=0,
+            param_version_end=0,
+            prompt_ids=np.asarray(p, dtype=np.int32),
+            response_ids=g.response_ids,
+            response_lengths=g.response_lengths,
+            rollout_log_probs=g.log_probs,
+            rewards=np.zeros(g.response_ids.shape[0], np.float32),
+        )  # fmt: skip
+        for i, (p, g) in enumerate(zip(prompts, gens, strict=True))
+    ]
+    advantages = np.zeros((len(groups), groups[0].n), dtype=np.float32)
+    batch = to_tensors(collate(groups, advantages, pad_id), policy.device)
+    with torch.no_grad():
+        lp, _, _ = policy.forward(policy.model, batch)
+    return lp, batch["rollout_log_probs"], batch["response_mask"].bool()
+
+
+@pytest.fixture(scope="session")
+def log_probs_of() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``trainer_log_probs`` above, for test modules (which cannot import each other)."""
+    return trainer_log_probs

@@ -48,6 +48,9 @@ def main(argv: list[str]) -> int:
 
         cfg = load_resolved(run_dir / "config.yaml")
         topo = build_topology(rollout_rank_count(), cfg.timeouts.weight_sync_s)
+        logging.getLogger(__name__).info(
+            "%s rank on %s; weights travel via %s", role, topo.device, topo.sync_device
+        )
         checkpoint = find_resume_checkpoint(run_dir, topo)
         write_rank_info(run_dir, rank, size, role, "running")
         if role == ROLLOUT:

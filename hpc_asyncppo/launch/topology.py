@@ -5,12 +5,18 @@ leader. MPI: COMM_WORLD split by role, and an intercommunicator between the two 
 (samples). torch.distributed over all ranks (rendezvous address sent over MPI), with two
 groups: the trainer ranks (gradient all-reduce) and {trainer leader} + rollout ranks
 (weight broadcast). The same layout under mpirun (local) and srun (one Slurm het step).
+
+With CUDA, each rank takes the GPU of its local rank and the groups use NCCL, which needs
+a GPU per rank. Where the weight-broadcast group shares a GPU (a rollout rank beside the
+trainer leader on a one-GPU workstation), that group uses gloo through host memory
+instead; trainer ranks sharing a GPU are refused with an error saying so.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -33,6 +39,12 @@ class Topology:
     trainer_group: dist.ProcessGroup | None  # gradient all-reduce (trainer ranks only)
     sync_group: dist.ProcessGroup | None  # weight broadcast (leader + rollout ranks only)
     device: torch.device
+    # Where weight buckets travel: ``device``, or the CPU when sync_group shares a GPU (gloo).
+    sync_device: torch.device | None = None
+
+    def __post_init__(self) -> None:
+        if self.sync_device is None:
+            self.sync_device = self.device
 
     @property
     def train_ranks(self) -> int:
@@ -112,7 +124,9 @@ def build_topology(rollout_ranks: int, timeout_s: float) -> Topology:
     address = bcast_text(
         world, f"{_rendezvous_host()}:{_free_port()}" if rank == leader else "", root=leader
     )
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = _pick_device()
+    # A CPU tensor on the default group goes through gloo, a CUDA tensor through NCCL.
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend,
         init_method=f"tcp://{address}",
@@ -120,19 +134,22 @@ def build_topology(rollout_ranks: int, timeout_s: float) -> Topology:
         world_size=size,
         timeout=timedelta(seconds=timeout_s),
     )
-    # new_group is collective over the whole world: every rank creates both groups.
     trainer_ranks = list(range(rollout_ranks, size))
+    sync_ranks = [leader, *range(rollout_ranks)]
+    sync_backend, sync_device = None, device
+    if device.type == "cuda":
+        gpus = _gpu_of_every_rank(world, device)
+        if _sharing(gpus, trainer_ranks):
+            raise RuntimeError(
+                f"trainer ranks {_sharing(gpus, trainer_ranks)} share one GPU; NCCL needs a GPU "
+                "per trainer rank: request as many GPUs per node as trainer tasks per node"
+            )
+        if _sharing(gpus, sync_ranks):
+            # NCCL refuses two ranks on one GPU: broadcast the weights through host memory.
+            sync_backend, sync_device = "gloo", torch.device("cpu")
+    # new_group is collective over the whole world: every rank creates both groups.
     trainer_group = dist.new_group(trainer_ranks)
-    sync_group = dist.new_group([leader, *range(rollout_ranks)])
-    if torch.cuda.is_available():
-        # One rank per GPU: srun with several tasks per node binds none, so pick by local rank.
-        local_rank = (
-            os.environ.get("SLURM_LOCALID") or os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK") or "0"
-        )
-        torch.cuda.set_device(int(local_rank) % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    sync_group = dist.new_group(sync_ranks, backend=sync_backend)
     return Topology(
         world_rank=rank,
         world_size=size,
@@ -143,7 +160,37 @@ def build_topology(rollout_ranks: int, timeout_s: float) -> Topology:
         trainer_group=trainer_group if role == TRAINER else None,
         sync_group=sync_group if (role == ROLLOUT or rank == leader) else None,
         device=device,
+        sync_device=sync_device,
     )
+
+
+def _pick_device() -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    # One rank per GPU: srun with several tasks per node binds none, so pick by local rank.
+    local_rank = (
+        os.environ.get("SLURM_LOCALID") or os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK") or "0"
+    )
+    torch.cuda.set_device(int(local_rank) % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _gpu_of_every_rank(world: MPI.Intracomm, device: torch.device) -> np.ndarray:
+    """A number per world rank naming its node and GPU (equal numbers: the same GPU)."""
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    mine = np.array([zlib.crc32(f"{node}/{uuid}".encode())], dtype=np.int64)
+    every = np.zeros(world.Get_size(), dtype=np.int64)
+    world.Allgather([mine, MPI.INT64_T], [every, MPI.INT64_T])
+    return every
+
+
+def _sharing(gpus: np.ndarray, ranks: list[int]) -> list[int]:
+    """The ranks among ``ranks`` on a GPU that another of them also uses."""
+    seen: dict[int, list[int]] = {}
+    for r in ranks:
+        seen.setdefault(int(gpus[r]), []).append(r)
+    return sorted(r for group in seen.values() if len(group) > 1 for r in group)
 
 
 def close_topology(topo: Topology) -> None:

@@ -50,7 +50,9 @@ class Rollouter:
             len(self.prompts), self.rank, topo.rollout_ranks, cfg.trainer.seed
         )
         self.sender = SampleSender(topo.inter)
-        self.weights = WeightReceiver(topo.sync_group, src=topo.leader, device=topo.device)
+        self.weights = WeightReceiver(
+            topo.sync_group, src=topo.leader, device=topo.sync_device, target=topo.device
+        )
         self.version = -1  # no weights from the trainer yet
         self.credits = 0
         self.idle_s = 0.0

@@ -64,7 +64,7 @@ class TrainerLeader:
         self.cfg, self.topo, self.run_dir, self.policy = cfg, topo, run_dir, policy
         self.receiver = SampleReceiver(topo.inter)
         self.broadcaster = WeightBroadcaster(
-            topo.sync_group, topo.leader, cfg.trainer.weight_sync_bucket_mb, topo.device
+            topo.sync_group, topo.leader, cfg.trainer.weight_sync_bucket_mb, topo.sync_device
         )
         self.credits = CreditController(
             topo.rollout_ranks,

@@ -3,7 +3,9 @@
 A sync is: a header (version and, per tensor, name, dtype, shape, bucket and byte offset)
 broadcast as JSON bytes, then each bucket. Tensors are packed as raw bytes, so every dtype
 (bf16 included) travels bit-exactly. The group is {trainer leader} + rollout ranks, gloo on
-CPU and NCCL when CUDA is present (same code: only the device of the buffers changes).
+CPU and NCCL when CUDA is present (same code: only the device of the buffers changes). When
+the group cannot use NCCL (ranks sharing a GPU), buckets travel through host memory over
+gloo and the receiver copies them to its device.
 """
 
 from __future__ import annotations
@@ -110,8 +112,16 @@ class WeightBroadcaster:
 class WeightReceiver:
     """Rollout rank: receives one sync's header and buckets from the leader."""
 
-    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        src: int,
+        device: torch.device,
+        target: torch.device | None = None,
+    ):
+        """Buckets arrive on ``device`` (the group's); tensors are returned on ``target``."""
         self.group, self.src, self.device = group, src, device
+        self.target = target or device
 
     def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
         length = torch.empty(1, dtype=torch.int64, device=self.device)
@@ -124,4 +134,6 @@ class WeightReceiver:
         ]
         for bucket in buckets:
             dist.broadcast(bucket, src=self.src, group=self.group)
+        if self.target != self.device:
+            buckets = [b.to(self.target) for b in buckets]
         return version, unpack(buckets, slots)

@@ -5,9 +5,7 @@ import torch
 
 from hpc_asyncppo.config import Config, ModelConfig, RolloutConfig
 from hpc_asyncppo.rollout.hf_engine import HFEngine, left_pad, response_lengths
-from hpc_asyncppo.trainer.batch import collate, to_tensors
 from hpc_asyncppo.trainer.policy import Policy
-from hpc_asyncppo.transport.samples import SampleGroup
 
 CPU = torch.device("cpu")
 
@@ -50,34 +48,15 @@ def test_responses_are_padded_after_eos_and_within_length(tiny_model_dir):
             assert eos_positions.size == 0 or eos_positions.tolist() == [length - 1]
 
 
-def test_rollout_log_probs_match_the_trainers_recomputation(tiny_model_dir):
+def test_rollout_log_probs_match_the_trainers_recomputation(tiny_model_dir, log_probs_of):
     """Same weights, same tokens: the behaviour log-probs equal the trainer's (fp32, 1e-5)."""
     for temperature in (1.0, 0.7):
         cfg, engine, policy = engine_and_policy(tiny_model_dir, temperature=temperature)
         torch.manual_seed(1)
         prompts = [engine.encode("1 2 3 4 ="), engine.encode("9 ="), engine.encode("5 5 =")]
         gens = engine.generate(prompts, n=4)
-        groups = [
-            SampleGroup(
-                seed=0,
-                epoch=0,
-                prompt_index=i,
-                rollout_rank=0,
-                param_version_start=0,
-                param_version_end=0,
-                prompt_ids=np.asarray(p, dtype=np.int32),
-                response_ids=g.response_ids,
-                response_lengths=g.response_lengths,
-                rollout_log_probs=g.log_probs,
-                rewards=np.zeros(4, dtype=np.float32),
-            )  # fmt: skip
-            for i, (p, g) in enumerate(zip(prompts, gens, strict=True))
-        ]
-        batch = to_tensors(collate(groups, np.zeros((3, 4), dtype=np.float32), engine.pad_id), CPU)
-        with torch.no_grad():
-            trainer_lp, _, _ = policy.forward(policy.model, batch)
-        mask = batch["response_mask"].bool()
-        diff = (trainer_lp - batch["rollout_log_probs"]).abs()[mask]
+        trainer_lp, rollout_lp, mask = log_probs_of(policy, prompts, gens, engine.pad_id)
+        diff = (trainer_lp - rollout_lp).abs()[mask]
         assert diff.max().item() < 1e-5, f"temperature {temperature}: max diff {diff.max().item()}"
 
 

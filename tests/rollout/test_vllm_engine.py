@@ -22,9 +22,7 @@ from hpc_asyncppo.config import Config, DataConfig, ModelConfig, RolloutConfig, 
 from hpc_asyncppo.models.tiny import build_tiny_model
 from hpc_asyncppo.rollout.hf_engine import Generation
 from hpc_asyncppo.tasks import load_task
-from hpc_asyncppo.trainer.batch import collate, to_tensors
 from hpc_asyncppo.trainer.policy import Policy
-from hpc_asyncppo.transport.samples import SampleGroup
 
 CPU = torch.device("cpu")
 TOLERANCE = 1e-4  # fp32, vLLM's oneDNN kernels against transformers' eager ones
@@ -93,33 +91,6 @@ def perturbed(policy: Policy, seed: int, scale: float = 0.2) -> dict[str, torch.
     return {n: t.clone() for n, t in policy.named_weights()}
 
 
-def trainer_log_probs(
-    policy: Policy, prompts: list[list[int]], gens: list[Generation], pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(trainer log-probs, rollout log-probs, response mask), each (B, L)."""
-    groups = [
-        SampleGroup(
-            seed=0,
-            epoch=0,
-            prompt_index=i,
-            rollout_rank=0,
-            param_version_start=0,
-            param_version_end=0,
-            prompt_ids=np.asarray(p, dtype=np.int32),
-            response_ids=g.response_ids,
-            response_lengths=g.response_lengths,
-            rollout_log_probs=g.log_probs,
-            rewards=np.zeros(g.response_ids.shape[0], np.float32),
-        )  # fmt: skip
-        for i, (p, g) in enumerate(zip(prompts, gens, strict=True))
-    ]
-    advantages = np.zeros((len(groups), groups[0].n), dtype=np.float32)
-    batch = to_tensors(collate(groups, advantages, pad_id), CPU)
-    with torch.no_grad():
-        lp, _, _ = policy.forward(policy.model, batch)
-    return lp, batch["rollout_log_probs"], batch["response_mask"].bool()
-
-
 def prompts_for(engine) -> list[list[int]]:
     long = engine.encode(" ".join(str(i * 7 % 10) for i in range(140)) + " =")
     assert len(long) <= MAX_PROMPT
@@ -152,7 +123,7 @@ def test_generation_layout_matches_the_hf_engine(engine, model_dir):
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
-def test_log_probs_match_the_trainers(engine, model_dir, temperature):
+def test_log_probs_match_the_trainers(engine, model_dir, log_probs_of, temperature):
     """Same weights, same tokens: vLLM's sampled-token log-probs equal the trainer's
     log_softmax(logits / temperature) within TOLERANCE (prompts shorter and longer than a
     KV block)."""
@@ -164,12 +135,12 @@ def test_log_probs_match_the_trainers(engine, model_dir, temperature):
         gens = engine.generate(prompts, N)
     finally:
         engine.sampling.temperature = 0.7
-    lp, rollout_lp, mask = trainer_log_probs(policy, prompts, gens, engine.pad_id)
+    lp, rollout_lp, mask = log_probs_of(policy, prompts, gens, engine.pad_id)
     diff = (lp - rollout_lp).abs()[mask]
     assert diff.max().item() < TOLERANCE, f"max diff {diff.max().item()}"
 
 
-def test_after_a_weight_update_log_probs_match_the_new_weights(engine, model_dir):
+def test_after_a_weight_update_log_probs_match_the_new_weights(engine, model_dir, log_probs_of):
     policy = Policy(make_cfg(model_dir, 0.7), CPU)
     engine.load_weights({n: t.clone() for n, t in policy.named_weights()}, version=0)
     prompts = prompts_for(engine)
@@ -178,7 +149,7 @@ def test_after_a_weight_update_log_probs_match_the_new_weights(engine, model_dir
         engine.load_weights(perturbed(policy, seed), version=version)
         gens = engine.generate(prompts, N)
         assert all((g.versions[:, 0] == version).all() for g in gens)
-        lp, rollout_lp, mask = trainer_log_probs(policy, prompts, gens, engine.pad_id)
+        lp, rollout_lp, mask = log_probs_of(policy, prompts, gens, engine.pad_id)
         diff = (lp - rollout_lp).abs()[mask]
         assert diff.max().item() < TOLERANCE, f"v{version}: max diff {diff.max().item()}"
 
@@ -194,7 +165,9 @@ def test_weights_cannot_change_under_running_requests(engine, model_dir):
         engine.step()
 
 
-def test_partial_rollout_resumes_cut_generations_under_the_new_weights(engine, model_dir):
+def test_partial_rollout_resumes_cut_generations_under_the_new_weights(
+    engine, model_dir, log_probs_of
+):
     """Cut long generations after a few tokens, update the weights, finish them. Tokens
     before the cut carry version 0 and the old policy's log-probs; tokens after it version 1
     and the new policy's, each checked against the trainer's recomputation."""
@@ -213,8 +186,8 @@ def test_partial_rollout_resumes_cut_generations_under_the_new_weights(engine, m
         done.update(engine.step())
     gens = [done[i] for i in range(len(prompts))]
 
-    old_lp, rollout_lp, mask = trainer_log_probs(old_policy, prompts, gens, engine.pad_id)
-    new_lp, _, _ = trainer_log_probs(policy, prompts, gens, engine.pad_id)
+    old_lp, rollout_lp, mask = log_probs_of(old_policy, prompts, gens, engine.pad_id)
+    new_lp, _, _ = log_probs_of(policy, prompts, gens, engine.pad_id)
     versions = torch.from_numpy(np.concatenate([g.versions for g in gens]))
     spans = versions.masked_fill(~mask, 0)
     cut = ((spans == 0) & mask).any(dim=1) & (spans == 1).any(dim=1)

@@ -1,0 +1,20 @@
+"""Which ranks share a GPU decides the weight-broadcast backend (see tests/gpu for the runs)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpc_asyncppo.launch.topology import _sharing
+
+
+def test_ranks_on_distinct_gpus_share_nothing() -> None:
+    gpus = np.array([11, 12, 13, 14])
+    assert _sharing(gpus, [0, 1, 2, 3]) == []
+
+
+def test_only_the_ranks_of_the_group_on_a_common_gpu_are_named() -> None:
+    # ranks 0 and 2 on one GPU; rank 3 shares rank 1's GPU, but rank 1 is not in the group
+    gpus = np.array([7, 8, 7, 8])
+    assert _sharing(gpus, [0, 2, 3]) == [0, 2]
+    assert _sharing(gpus, [2, 3]) == []
+    assert _sharing(gpus, [1, 3]) == [1, 3]
