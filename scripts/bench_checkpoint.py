@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from hpc_asyncppo.checkpoint.overflow import SpillQueue
-from hpc_asyncppo.checkpoint.store import load_checkpoint, save_checkpoint
+from hpc_asyncppo.checkpoint.store import fsync_file, load_checkpoint, save_checkpoint
 
 GB = 1e9
 MB = 1e6
@@ -65,14 +65,6 @@ def adamw_state(model: dict[str, torch.Tensor]) -> dict:
     return {"state": state, "param_groups": [{**group, "params": list(range(len(model)))}]}
 
 
-def fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def drop_cache(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -104,7 +96,7 @@ def bench_checkpoint(tree: dict, nbytes: int, root: Path, repeats: int) -> None:
 
     def torch_save_fsync() -> None:
         torch.save(tree, theirs)
-        fsync(theirs)
+        fsync_file(theirs)
 
     def fresh(path: Path) -> Callable[[], None]:
         # Each save starts with no old file to replace and no dirty pages pending.

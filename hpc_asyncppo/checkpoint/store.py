@@ -154,7 +154,7 @@ def save_checkpoint(path: str | Path, tree: dict, meta: dict) -> None:
             ThreadPoolExecutor(_CRC_THREADS, thread_name_prefix="crc32") as pool,
         ):
             _Writer(f, pool).write(tree, meta_bytes)
-        _fsync_file(tmp)
+        fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:  # also KeyboardInterrupt / SystemExit from a signal handler
         tmp.unlink(missing_ok=True)
@@ -162,7 +162,8 @@ def save_checkpoint(path: str | Path, tree: dict, meta: dict) -> None:
     _fsync_dir(path.parent)
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
+    """Flush ``path``'s data to stable storage."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -39,12 +39,7 @@ class Topology:
     trainer_group: dist.ProcessGroup | None  # gradient all-reduce (trainer ranks only)
     sync_group: dist.ProcessGroup | None  # weight broadcast (leader + rollout ranks only)
     device: torch.device
-    # Where weight buckets travel: ``device``, or the CPU when sync_group shares a GPU (gloo).
-    sync_device: torch.device | None = None
-
-    def __post_init__(self) -> None:
-        if self.sync_device is None:
-            self.sync_device = self.device
+    sync_device: torch.device  # where weight buckets travel: ``device``, or the CPU (gloo)
 
     @property
     def train_ranks(self) -> int:
@@ -139,9 +134,9 @@ def build_topology(rollout_ranks: int, timeout_s: float) -> Topology:
     sync_backend, sync_device = None, device
     if device.type == "cuda":
         gpus = _gpu_of_every_rank(world, device)
-        if _sharing(gpus, trainer_ranks):
+        if shared := _sharing(gpus, trainer_ranks):
             raise RuntimeError(
-                f"trainer ranks {_sharing(gpus, trainer_ranks)} share one GPU; NCCL needs a GPU "
+                f"trainer ranks {shared} share one GPU; NCCL needs a GPU "
                 "per trainer rank: request as many GPUs per node as trainer tasks per node"
             )
         if _sharing(gpus, sync_ranks):

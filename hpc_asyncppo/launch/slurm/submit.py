@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -20,7 +19,6 @@ from hpc_asyncppo.launch.slurm.step import ENDING_SRUN, task_death
 POLL_S = 2.0
 # After the last task ends Slurm needs a moment (COMPLETING) before the final state shows.
 SETTLE_S = 60.0
-DEAD_JOB_GRACE_S = 45.0
 
 
 def submit_slurm(cfg: Config, run_dir: Path, args: argparse.Namespace) -> int:
@@ -56,7 +54,7 @@ def submit_slurm(cfg: Config, run_dir: Path, args: argparse.Namespace) -> int:
 def wait_for_job(job_id: str, run_dir: Path, total_steps: int) -> int:
     """Follow the job's progress until Slurm says it ended; exit code for the CLI."""
     try:
-        follow(run_dir, _state_watcher(job_id, run_dir), total_steps, poll_s=POLL_S)
+        follow(run_dir, _state_watcher(job_id), total_steps, poll_s=POLL_S)
     except KeyboardInterrupt:
         print(
             f"\nstopped following; job {job_id} keeps running (scancel {job_id} to stop it)",
@@ -78,41 +76,19 @@ def wait_for_job(job_id: str, run_dir: Path, total_steps: int) -> int:
     return 1
 
 
-def _state_watcher(job_id: str, run_dir: Path) -> Callable[[], bool]:
+def _state_watcher(job_id: str) -> Callable[[], bool]:
     """is_running() for ``follow``; says when the job changes state (pending, running...).
 
-    If a rank has died and the job is still running DEAD_JOB_GRACE_S later, the job is
-    cancelled: Slurm 22.05's srun can hang after --kill-on-bad-exit ended a het step (both
-    step daemons done, srun waiting forever), which would hold both allocations until the
-    time limit.
-    """
+    A job whose srun outlives its ranks (a Slurm 22.05 hang) is ended by the batch script's
+    step wrapper (``launch/slurm/step.py``), so following Slurm's state is enough."""
     last = ""
-    died_at: float | None = None
 
     def is_running() -> bool:
-        nonlocal last, died_at
+        nonlocal last
         state = job_state(job_id)
         if state != last and state in ACTIVE_STATES:
             print(f"job {job_id}: {state.lower()}", flush=True)
         last = state
-        if (
-            state == "RUNNING"
-            and died_at is None
-            and (rank_errors(run_dir) or task_deaths(run_dir, job_id))
-        ):
-            died_at = time.monotonic()
-        if (
-            state == "RUNNING"
-            and died_at is not None
-            and time.monotonic() - died_at > DEAD_JOB_GRACE_S
-        ):
-            print(
-                f"job {job_id}: a rank died but the job did not end; cancelling it",
-                file=sys.stderr,
-                flush=True,
-            )
-            subprocess.run(["scancel", job_id], capture_output=True)
-            died_at = float("inf")  # once
         return state in ACTIVE_STATES
 
     return is_running
