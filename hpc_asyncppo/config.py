@@ -40,7 +40,11 @@ class TinyModelConfig:
 @dataclass
 class ModelConfig:
     path: str = ""  # HF model folder; empty: build the tiny default model into RUN_DIR/model
-    dtype: str = "float32"  # float32 | bfloat16 | float16: parameter dtype on trainer and rollout
+    # float32 | bfloat16 | float16: the compute dtype. The trainer keeps fp32 master weights
+    # and AdamW state, runs forward and backward in this dtype, reduces gradients in fp32;
+    # rollout ranks hold (and receive) the weights in this dtype.
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 (if installed)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
@@ -89,6 +93,17 @@ class ActorConfig:
     kl_loss_coef: float = 0.001  # weight of the KL penalty
     kl_loss_type: str = "low_var_kl"  # kl | abs | mse | low_var_kl
     grad_clip: float = 1.0  # max global grad norm; 0 disables
+    use_dynamic_bsz: bool = False  # micro-batches by token budget instead of row count (verl)
+    ppo_max_token_len_per_gpu: int = (
+        16384  # use_dynamic_bsz: prompt + response tokens per micro-batch
+    )
+    log_prob_chunk_tokens: int = 1024  # tokens whose full-vocabulary logits exist at once (fp32)
+    gradient_checkpointing: bool = False  # recompute decoder-layer activations in the backward
+    lr_warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to actor.lr
+    lr_scheduler: str = (
+        "constant"  # constant | cosine (to actor.lr * min_lr_ratio at the last step)
+    )
+    min_lr_ratio: float = 0.0  # cosine: final learning rate as a fraction of actor.lr
     torch_threads: int = 1  # intra-op threads of each trainer rank
 
 
@@ -211,6 +226,8 @@ class Config:
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
+    "actor.lr_scheduler": ("constant", "cosine"),
     "rollout.engine": ("hf", "vllm"),
     "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "actor.kl_loss_type": ("kl", "abs", "mse", "low_var_kl"),
@@ -251,6 +268,10 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "actor.entropy_coeff": (0, False),
     "actor.kl_loss_coef": (0, False),
     "actor.grad_clip": (0, False),
+    "actor.ppo_max_token_len_per_gpu": (1, False),
+    "actor.log_prob_chunk_tokens": (1, False),
+    "actor.lr_warmup_steps": (0, False),
+    "actor.min_lr_ratio": (0, False),
     "actor.torch_threads": (1, False),
     "critic.value_coef": (0, False),
     "critic.cliprange_value": (0, True),
@@ -277,6 +298,7 @@ _UPPER_BOUNDS: dict[str, float] = {
     "algorithm.gamma": 1.0,
     "algorithm.lam": 1.0,
     "actor.clip_ratio_low": 1.0,
+    "actor.min_lr_ratio": 1.0,
 }
 
 
@@ -343,12 +365,27 @@ def validate(cfg: Config, rollout_ranks: int = 1, train_ranks: int = 1) -> None:
         raise ConfigError(f"rollout.n={cfg.rollout.n}: GRPO needs at least 2 responses per prompt")
     if rollout_ranks < 1 or train_ranks < 1:
         raise ConfigError("need at least one rollout rank and one trainer rank")
-    if (cfg.required_groups * cfg.rollout.n) % train_ranks:
+    if (cfg.actor.ppo_mini_batch_size * cfg.rollout.n) % train_ranks:
         raise ConfigError(
-            f"actor.ppo_mini_batch_size * async_training.require_batches * rollout.n = "
-            f"{cfg.required_groups * cfg.rollout.n} samples per step do not split evenly over "
-            f"{train_ranks} trainer ranks"
+            f"actor.ppo_mini_batch_size * rollout.n = {cfg.actor.ppo_mini_batch_size * cfg.rollout.n} "
+            f"responses per mini-batch do not split evenly over {train_ranks} trainer ranks"
         )
+    if cfg.actor.use_dynamic_bsz:
+        longest = cfg.data.max_prompt_length + cfg.rollout.response_length
+        if cfg.actor.ppo_max_token_len_per_gpu < longest:
+            raise ConfigError(
+                f"actor.ppo_max_token_len_per_gpu={cfg.actor.ppo_max_token_len_per_gpu} is less "
+                f"than one row can be (data.max_prompt_length + rollout.response_length = "
+                f"{longest}): raise it"
+            )
+    if cfg.model.attn_implementation == "flash_attention_2":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError(
+                "model.attn_implementation=flash_attention_2 needs the flash-attn package "
+                "(pip install flash-attn); or use sdpa"
+            )
 
 
 def load_config(

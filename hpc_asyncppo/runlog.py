@@ -102,19 +102,35 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+class WeightDigest:
+    """A digest of a set of named tensors that does not depend on the order they come in:
+    each tensor is hashed as it is seen (so a stream needs no copy), then the names and
+    their hashes are hashed in name order."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, str] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        self.parts[name] = hashlib.sha256(raw.tobytes()).hexdigest()
+
+    def hexdigest(self) -> str:
+        h = hashlib.sha256()
+        for name in sorted(self.parts):
+            h.update(f"{name}:{self.parts[name]};".encode())
+        return h.hexdigest()
+
+
 def weights_digest(named: list[tuple[str, torch.Tensor]]) -> str:
-    h = hashlib.sha256()
-    for name, tensor in sorted(named, key=lambda item: item[0]):
-        h.update(name.encode())
-        h.update(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    digest = WeightDigest()
+    for name, tensor in named:
+        digest.add(name, tensor)
+    return digest.hexdigest()
 
 
-def record_weight_digest(
-    run_dir: Path, rank: int, version: int, named: list[tuple[str, torch.Tensor]]
-) -> None:
+def record_weight_digest(run_dir: Path, rank: int, version: int, digest: str) -> None:
     writer = JsonlWriter(run_dir / "weights" / f"rank{rank}.jsonl")
-    writer.write([{"version": version, "digest": weights_digest(named)}])
+    writer.write([{"version": version, "digest": digest}])
     writer.close()
 
 

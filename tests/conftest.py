@@ -3,12 +3,14 @@ rollout-vs-trainer log-prob comparison every engine test makes."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from hpc_asyncppo.config import DataConfig, TinyModelConfig
 from hpc_asyncppo.models.tiny import build_tiny_model
@@ -16,6 +18,22 @@ from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.batch import collate, to_tensors
 from hpc_asyncppo.trainer.policy import Policy
 from hpc_asyncppo.transport.samples import SampleGroup
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def single_process_group() -> None:
+    """A one-rank gloo world: the sharded Policy (FSDP2) needs a process group even alone."""
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        )
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +67,7 @@ def trainer_log_probs(
     advantages = np.zeros((len(groups), groups[0].n), dtype=np.float32)
     batch = to_tensors(collate(groups, advantages, pad_id), policy.device)
     with torch.no_grad():
-        lp, _, _ = policy.forward(policy.model, batch)
+        lp, _, _ = policy.forward(batch)
     return lp, batch["rollout_log_probs"], batch["response_mask"].bool()
 
 

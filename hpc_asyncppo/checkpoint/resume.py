@@ -4,7 +4,8 @@ A job always resumes when its run directory holds a valid checkpoint: that is ho
 requeued Slurm job (same batch script) and ``submit --resume RUN_DIR`` both continue.
 The trainer leader picks the newest checkpoint whose checksums verify (each bad one is
 reported in one line naming the file) and broadcasts its path; every rank then reads its
-own part of it from the shared filesystem.
+own part of it from the shared filesystem (``CheckpointReader``), one value at a time: a
+rollout rank its cursor and RNG, a trainer rank the model and optimizer state it shards.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from hpc_asyncppo.checkpoint.store import (
     CheckpointError,
     latest_valid_checkpoint,
     list_checkpoints,
-    load_checkpoint,
+    read_meta,
 )
 from hpc_asyncppo.launch.topology import Topology, bcast_text
 
@@ -32,8 +33,8 @@ def _warn(line: str) -> None:
     print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
-def find_resume_checkpoint(run_dir: Path, topo: Topology) -> tuple[Path, dict, dict] | None:
-    """(path, tree, meta) of the checkpoint to resume from, or None for a fresh start."""
+def find_resume_checkpoint(run_dir: Path, topo: Topology) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh start."""
     choice = ""
     if topo.is_leader:
         found = latest_valid_checkpoint(run_dir, _warn)
@@ -51,10 +52,10 @@ def find_resume_checkpoint(run_dir: Path, topo: Topology) -> tuple[Path, dict, d
     if not choice:
         return None
     path = Path(choice)
-    tree, meta = load_checkpoint(path)
+    meta = read_meta(path)
     if meta["rollout_ranks"] != topo.rollout_ranks:
         raise CheckpointError(
             f"checkpoint {path} was written by {meta['rollout_ranks']} rollout ranks, this job has "
             f"{topo.rollout_ranks}: resume with the same number (each rank's data cursor is in it)"
         )
-    return path, tree, meta
+    return path

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import unquote
 
 import h5py
@@ -251,13 +251,14 @@ def _is_buffer_list(value: list) -> bool:
 
 
 class _Writer:
-    """Writes the tree; checksums run on worker threads (zlib.crc32 releases the GIL) and
-    land in the attributes at the end."""
+    """Writes the tree, one leaf at a time; each leaf's checksums run on worker threads
+    (zlib.crc32 releases the GIL) while HDF5 writes it. A leaf may be a function returning
+    the value (e.g. a tensor gathered from shards): it is called when its turn comes, in the
+    tree's order, and its value is released once written."""
 
     def __init__(self, f: h5py.File, pool: ThreadPoolExecutor):
         self.f, self.pool = f, pool
         self.manifest: list[str] = []
-        self.checksums: list[tuple[h5py.Dataset, list[Future[int]]]] = []
 
     def write(self, tree: dict, meta_bytes: np.ndarray) -> None:
         if not isinstance(tree, dict):
@@ -267,9 +268,6 @@ class _Writer:
         self.node(self.f, "tree", tree, "tree")
         manifest = _json_array(self.manifest, "manifest")
         self.dataset(self.f, "manifest", manifest, {"kind": "json"}, listed=False)
-        for ds, blocks in self.checksums:
-            ds.attrs["crc32"] = np.array([crc.result() for crc in blocks], dtype=np.uint32)
-            ds.attrs["crc32_block"] = np.int64(CRC_BLOCK)
 
     def dataset(
         self,
@@ -283,7 +281,8 @@ class _Writer:
         crcs = _crc_blocks(self.pool, arr, CRC_BLOCK)
         ds = group.create_dataset(name, data=arr)
         _set_attrs(ds, attrs)
-        self.checksums.append((ds, crcs))
+        ds.attrs["crc32"] = np.array([crc.result() for crc in crcs], dtype=np.uint32)
+        ds.attrs["crc32_block"] = np.int64(CRC_BLOCK)
         if listed:
             self.manifest.append(ds.name)
         return ds
@@ -294,6 +293,8 @@ class _Writer:
         return g
 
     def node(self, parent: h5py.Group, name: str, value: Any, where: str) -> h5py.HLObject:
+        if callable(value):  # a lazy leaf (see the class docstring)
+            value = value()
         if isinstance(value, torch.Tensor):
             return self.dataset(parent, name, *_tensor_to_array(value, where))
         if isinstance(value, np.ndarray | np.generic):
@@ -573,6 +574,125 @@ def _to_numpy(arr: np.ndarray, ds: h5py.Dataset) -> np.ndarray | np.generic:
     value = arr if arr.dtype == dtype else arr.reshape(-1).view(dtype)
     value = value.reshape(_stored_shape(arr, ds))
     return value[()] if _attr(ds, "scalar") else value
+
+
+# --- reading parts of a checkpoint ------------------------------------------------------
+
+
+class StateReader(Protocol):
+    """What a restore reads from: values and child keys by path in the checkpoint tree."""
+
+    def get(self, *path: str | int) -> Any:
+        """The value at ``path`` (a subtree comes back whole), or None if absent."""
+        ...
+
+    def keys(self, *path: str | int) -> list[str | int] | None:
+        """The keys of the dict at ``path``, or None if there is none."""
+        ...
+
+
+class TreeReader:
+    """A ``StateReader`` over a tree in memory (tests, tools)."""
+
+    def __init__(self, tree: dict):
+        self.tree = tree
+
+    def _at(self, path: tuple) -> Any:
+        node: Any = self.tree
+        for key in path:
+            if not isinstance(node, dict) or key not in node:
+                return None
+            node = node[key]
+        return node
+
+    def get(self, *path: str | int) -> Any:
+        return self._at(path)
+
+    def keys(self, *path: str | int) -> list[str | int] | None:
+        node = self._at(path)
+        return list(node) if isinstance(node, dict) else None
+
+
+class CheckpointReader:
+    """Reads single values from a checkpoint file, each verified against its checksums as it
+    is read: a rank takes what it needs, one tensor at a time, and keeps nothing else.
+
+    Use it as a context manager. It checks the file's format, not its completeness: verify
+    the whole file once first (``verify_checkpoint``, done by the trainer leader on resume).
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._file: h5py.File | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self.meta: dict = {}
+
+    def __enter__(self) -> CheckpointReader:
+        try:
+            self._file = h5py.File(self.path, "r", locking=False)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {self.path}: unreadable: {_one_line(exc)}") from None
+        self._pool = ThreadPoolExecutor(_CRC_THREADS, thread_name_prefix="crc32")
+        reader = self._reader()
+        fmt, version = _attr(self._file, "format"), _attr(self._file, "format_version")
+        if fmt != FORMAT or version != FORMAT_VERSION:
+            self.__exit__()
+            raise CheckpointError(
+                f"checkpoint {self.path}: not an {FORMAT} file of version {FORMAT_VERSION}"
+            )
+        self.meta = json.loads(reader.array(reader.get(self._file, "meta")).tobytes())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+        if self._file is not None:
+            self._file.close()
+        self._file = self._pool = None
+
+    def _reader(self) -> _Reader:
+        reader = _Reader(self.path, build=True)
+        reader.pool = self._pool
+        return reader
+
+    def _find(self, path: tuple) -> h5py.HLObject | None:
+        node = self._file["tree"]
+        for key in path:
+            link = str(int(key)) if isinstance(key, int) else _escape(str(key))
+            if not isinstance(node, h5py.Group) or link not in node:
+                return None
+            node = node[link]
+        return node
+
+    def get(self, *path: str | int) -> Any:
+        obj = self._find(path)
+        if obj is None:
+            return None
+        reader = self._reader()
+        try:
+            value = reader.node(obj)
+            for name, stored, crcs in reader.checksums:
+                reader.check(name, stored, crcs)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(
+                f"checkpoint {self.path}: unreadable HDF5 at '{reader.where}': {_one_line(exc)}"
+            ) from None
+        return value
+
+    def keys(self, *path: str | int) -> list[str | int] | None:
+        obj = self._find(path)
+        if not isinstance(obj, h5py.Group) or _attr(obj, "kind") != "dict":
+            return None
+        reader = self._reader()
+        return [reader.key(obj[name], name) for name in obj]
+
+
+def read_meta(path: str | Path) -> dict:
+    """A checkpoint's metadata (step, version, counters) without reading its tensors."""
+    with CheckpointReader(path) as reader:
+        return reader.meta
 
 
 # --- model compatibility ----------------------------------------------------------------

@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
         if role == ROLLOUT:
             from hpc_asyncppo.rollout.rollouter import run_rollouter
 
-            run_rollouter(cfg, topo, run_dir, checkpoint[1] if checkpoint else None)
+            run_rollouter(cfg, topo, run_dir, checkpoint)
         else:
             from hpc_asyncppo.trainer.trainer import run_trainer
 

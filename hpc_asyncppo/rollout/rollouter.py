@@ -22,13 +22,13 @@ import numpy as np
 import torch
 
 from hpc_asyncppo.checkpoint.rank_state import encode_rank_state
-from hpc_asyncppo.checkpoint.store import set_rng_state
+from hpc_asyncppo.checkpoint.store import CheckpointReader, set_rng_state
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.launch.topology import Topology
 from hpc_asyncppo.rollout.cursor import PromptCursor
 from hpc_asyncppo.rollout.engine import make_engine
 from hpc_asyncppo.rollout.hf_engine import Generation
-from hpc_asyncppo.runlog import record_weight_digest
+from hpc_asyncppo.runlog import record_weight_digest, weights_digest
 from hpc_asyncppo.tasks import Prompt, Task, load_task, tokenize_prompt
 from hpc_asyncppo.timeline import Timeline
 from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleSender
@@ -148,7 +148,8 @@ class Rollouter:
             self.started_at, self.idle_s = time.monotonic(), 0.0
         self.version = version
         if self.cfg.trainer.record_weight_digests:
-            record_weight_digest(self.run_dir, self.rank, version, self.engine.named_parameters())
+            digest = weights_digest(self.engine.named_parameters())
+            record_weight_digest(self.run_dir, self.rank, version, digest)
         log.info(
             "rank %d: weights v%d loaded in %.3fs", self.rank, version, time.monotonic() - start
         )
@@ -205,13 +206,15 @@ class Rollouter:
 
 
 def run_rollouter(
-    cfg: Config, topo: Topology, run_dir: Path, checkpoint: dict | None = None
+    cfg: Config, topo: Topology, run_dir: Path, checkpoint: Path | None = None
 ) -> None:
-    """``checkpoint``: the state tree to resume from (None for a fresh start)."""
+    """``checkpoint``: the checkpoint file to resume from (None for a fresh start); this
+    rank reads its own cursor and RNG from it, nothing else."""
     torch.set_num_threads(cfg.rollout.torch_threads)
     torch.manual_seed(cfg.trainer.seed * 1000 + topo.world_rank)
     resume = None
     if checkpoint is not None:
         key = f"rank{topo.world_rank}"
-        resume = {**checkpoint["rollout"][key], "rng": checkpoint["rng"][key]}
+        with CheckpointReader(checkpoint) as reader:
+            resume = {**reader.get("rollout", key), "rng": reader.get("rng", key)}
     Rollouter(cfg, topo, run_dir, resume).run()

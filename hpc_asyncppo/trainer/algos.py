@@ -144,6 +144,7 @@ def gae_advantages(
     response_mask: torch.Tensor,
     gamma: float,
     lam: float,
+    whiten: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (verl's `compute_gae_advantage_return`).
 
@@ -160,6 +161,8 @@ def gae_advantages(
         response_mask: (B, L); needs at least 2 positions set in the batch (whitening).
         gamma: discount factor.
         lam: GAE lambda.
+        whiten: False returns A_t as it is, for a caller that whitens with moments
+            taken over more than this batch (`whiten_with`, several trainer ranks).
 
     Returns:
         advantages: (B, L) A_t whitened over the masked positions of the whole
@@ -177,7 +180,33 @@ def gae_advantages(
         next_advantage = torch.where(mask[:, t] > 0, advantage, next_advantage)
         advantages[:, t] = next_advantage
     returns = advantages + values
-    return masked_whiten(advantages, mask), returns
+    return (masked_whiten(advantages, mask) if whiten else advantages), returns
+
+
+def masked_moments(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(3,) float64: count, sum and sum of squares of `values` over `mask`, to be summed
+    over every part of a batch (e.g. all-reduced over trainer ranks) for `whiten_with`."""
+    v = torch.where(mask.bool(), values, 0.0).double()
+    m = mask.double()
+    return torch.stack([m.sum(), (v * m).sum(), (v * v * m).sum()])
+
+
+def whiten_with(values: torch.Tensor, moments: torch.Tensor) -> torch.Tensor:
+    """`masked_whiten` with the moments of the whole batch (`masked_moments`, summed).
+
+    Args:
+        values: (B, L), this part of the batch.
+        moments: (3,) count, sum, sum of squares over the whole batch; count >= 2.
+
+    Returns:
+        (values - mean) / sqrt(unbiased var + 1e-8), same shape as `values`.
+    """
+    count, total, squares = moments.tolist()
+    if count < 2:
+        raise ValueError(f"unbiased masked variance needs at least 2 masked-in values, got {count}")
+    mean = total / count
+    var = max(squares / count - mean * mean, 0.0) * count / (count - 1)
+    return ((values - mean) * (var + 1e-8) ** -0.5).to(values.dtype)
 
 
 def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
@@ -215,6 +244,52 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     return masked_mean(seq_losses, token_counts > 0)
 
 
+def agg_loss_share(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str,
+    global_tokens: float,
+    global_seqs: float,
+) -> torch.Tensor:
+    """This part's share of `agg_loss` over a whole mini-batch split into parts
+    (micro-batches, trainer ranks): summing the shares of every part gives `agg_loss` of
+    the whole, whatever the split. verl's `agg_loss` with `batch_num_tokens` and
+    `global_batch_size` does the same.
+
+    Modes:
+        "token-mean": sum over this part's masked tokens / `global_tokens`.
+        "seq-mean-token-sum": sum over this part's responses of their token sums / `global_seqs`.
+        "seq-mean-token-mean": sum over this part's responses of their token means / `global_seqs`.
+
+    Args:
+        loss_mat: (B, L) per-token loss of this part.
+        loss_mask: (B, L).
+        loss_agg_mode: one of LOSS_AGG_MODES.
+        global_tokens: masked tokens in the whole mini-batch (`loss_normalisers`, summed).
+        global_seqs: responses with at least one masked token in the whole mini-batch.
+
+    Returns:
+        Scalar tensor; 0 for a part with no masked token.
+    """
+    if loss_agg_mode == "token-mean":
+        return masked_sum(loss_mat, loss_mask) / max(global_tokens, 1.0)
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(
+            f"unknown loss_agg_mode {loss_agg_mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}"
+        )
+    seq_losses = masked_sum(loss_mat, loss_mask, dim=-1)
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_losses = seq_losses / loss_mask.sum(dim=-1).clamp(min=1)
+    return seq_losses.sum() / max(global_seqs, 1.0)
+
+
+def loss_normalisers(loss_mask: torch.Tensor) -> torch.Tensor:
+    """(2,) float64: masked tokens and responses with at least one, of a (B, L) mask; sum
+    them over every part of a mini-batch for `agg_loss_share`'s `global_tokens`, `global_seqs`."""
+    tokens = loss_mask.sum(dim=-1)
+    return torch.stack([tokens.sum(), (tokens > 0).sum()]).double()
+
+
 def policy_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -225,6 +300,7 @@ def policy_loss(
     clip_ratio_c: float,
     loss_agg_mode: str,
     is_weights: torch.Tensor | None = None,
+    normalisers: tuple[float, float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with dual-clip (verl's `compute_policy_loss_vanilla`).
 
@@ -244,6 +320,9 @@ def policy_loss(
         loss_agg_mode: one of LOSS_AGG_MODES.
         is_weights: optional (B, L) truncated importance weights correcting for
             rollout/trainer mismatch (`rollout_importance_weights`); detached here.
+        normalisers: (global tokens, global responses) when this batch is one part of
+            a mini-batch: the loss is then this part's `agg_loss_share`, and each stat
+            its share of the mini-batch's token mean.
 
     Returns:
         loss: scalar, differentiable w.r.t. `log_prob`.
@@ -264,15 +343,30 @@ def policy_loss(
     if is_weights is not None:
         losses = losses * is_weights.detach()
 
+    def token_mean(values: torch.Tensor) -> torch.Tensor:
+        if normalisers is None:
+            return masked_mean(values, response_mask)
+        return masked_sum(values, response_mask) / max(normalisers[0], 1.0)
+
     with torch.no_grad():
         stats = {
-            "pg_clipfrac": masked_mean((clipped > unclipped).float(), response_mask),
-            "pg_clipfrac_lower": masked_mean(
-                ((ppo_losses > dual_bound) & (advantages < 0)).float(), response_mask
-            ),
-            "ppo_kl": masked_mean(-log_ratio, response_mask),
+            "pg_clipfrac": token_mean((clipped > unclipped).float()),
+            "pg_clipfrac_lower": token_mean(((ppo_losses > dual_bound) & (advantages < 0)).float()),
+            "ppo_kl": token_mean(-log_ratio),
         }
-    return agg_loss(losses, response_mask, loss_agg_mode), stats
+    return aggregate(losses, response_mask, loss_agg_mode, normalisers), stats
+
+
+def aggregate(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str,
+    normalisers: tuple[float, float] | None,
+) -> torch.Tensor:
+    """`agg_loss` of a whole batch (`normalisers` None), or `agg_loss_share` of a part."""
+    if normalisers is None:
+        return agg_loss(loss_mat, loss_mask, loss_agg_mode)
+    return agg_loss_share(loss_mat, loss_mask, loss_agg_mode, *normalisers)
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
@@ -329,6 +423,7 @@ def value_loss(
     response_mask: torch.Tensor,
     cliprange_value: float,
     loss_agg_mode: str,
+    normalisers: tuple[float, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped value loss (verl's `compute_value_loss`).
 
@@ -342,17 +437,25 @@ def value_loss(
         response_mask: (B, L).
         cliprange_value: c above.
         loss_agg_mode: one of LOSS_AGG_MODES.
+        normalisers: as in `policy_loss`.
 
     Returns:
         loss: scalar, differentiable w.r.t. `vpreds`.
-        clipfrac: detached scalar, fraction of tokens where the clipped term was larger.
+        clipfrac: detached scalar, fraction of tokens where the clipped term was larger
+            (this part's share of it when `normalisers` are given).
     """
     vpreds_clipped = torch.clamp(vpreds, values_old - cliprange_value, values_old + cliprange_value)
     unclipped = (vpreds - returns) ** 2
     clipped = (vpreds_clipped - returns) ** 2
-    loss = 0.5 * agg_loss(torch.maximum(unclipped, clipped), response_mask, loss_agg_mode)
-    clipfrac = masked_mean((clipped > unclipped).float(), response_mask).detach()
-    return loss, clipfrac
+    loss = 0.5 * aggregate(
+        torch.maximum(unclipped, clipped), response_mask, loss_agg_mode, normalisers
+    )
+    frac = (clipped > unclipped).float()
+    if normalisers is None:
+        clipfrac = masked_mean(frac, response_mask)
+    else:
+        clipfrac = masked_sum(frac, response_mask) / max(normalisers[0], 1.0)
+    return loss, clipfrac.detach()
 
 
 @torch.no_grad()

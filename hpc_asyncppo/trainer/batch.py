@@ -1,4 +1,6 @@
-"""From received sample groups to the padded arrays one trainer rank trains on."""
+"""From received sample groups to the padded arrays one trainer rank trains on, and how
+those rows are cut into mini-batches (one optimizer step each) and micro-batches (one
+forward/backward each)."""
 
 from __future__ import annotations
 
@@ -47,6 +49,88 @@ def split_rows(batch: dict[str, np.ndarray], parts: int) -> list[dict[str, np.nd
         raise ValueError(f"{rows} rows do not split into {parts} equal parts")
     size = rows // parts
     return [{k: v[i * size : (i + 1) * size] for k, v in batch.items()} for i in range(parts)]
+
+
+def shard_rows(batch: dict[str, np.ndarray], ranks: int, minis: int) -> list[dict[str, np.ndarray]]:
+    """Each trainer rank's rows: the batch is cut into ``minis`` contiguous mini-batches and
+    each mini-batch into ``ranks`` equal slices; rank r gets its slice of every mini-batch,
+    in order. A rank's k-th of ``minis`` equal chunks is then its part of mini-batch k, so
+    the mini-batches (and so the optimizer steps) are the same for any number of ranks."""
+    rows = np.arange(batch["rewards"].shape[0])
+    if rows.size % (minis * ranks):
+        raise ValueError(f"{rows.size} rows do not split into {minis} mini-batches x {ranks} ranks")
+    # (minis, ranks, rows per part): rank r takes [:, r] of every mini-batch
+    parts = rows.reshape(minis, ranks, -1)
+    return [{k: v[parts[:, r].reshape(-1)] for k, v in batch.items()} for r in range(ranks)]
+
+
+def plan_micro_batches(
+    row_tokens: np.ndarray, rows_per_micro: int, token_budget: int | None
+) -> list[np.ndarray]:
+    """Row indices of each micro-batch of one mini-batch, in order.
+
+    ``token_budget`` None: chunks of ``rows_per_micro`` rows (0: one chunk). Otherwise
+    consecutive rows are packed while their tokens (``row_tokens``: prompt + response of
+    each row) fit the budget; a row longer than the budget goes alone.
+    """
+    rows = np.arange(row_tokens.shape[0])
+    if token_budget is None:
+        size = rows_per_micro or max(1, rows.size)
+        return [rows[i : i + size] for i in range(0, rows.size, size)]
+    plan, current, used = [], [], 0
+    for row, tokens in zip(rows.tolist(), row_tokens.tolist(), strict=True):
+        if current and used + tokens > token_budget:
+            plan.append(np.asarray(current))
+            current, used = [], 0
+        current.append(row)
+        used += tokens
+    if current:
+        plan.append(np.asarray(current))
+    return plan
+
+
+def split_to_count(plan: list[np.ndarray], row_tokens: np.ndarray, count: int) -> list[np.ndarray]:
+    """``plan`` with exactly ``count`` micro-batches: the one with the most tokens is halved
+    until there are enough; empty ones fill up when no micro-batch has two rows left.
+
+    Every trainer rank must run the same number of forward/backward passes (each is a
+    collective under FSDP), so ranks whose token-budget plan came out shorter split theirs.
+    """
+    plan = list(plan)
+    while len(plan) < count:
+        splittable = [i for i, mb in enumerate(plan) if mb.size > 1]
+        if not splittable:
+            plan += [np.zeros(0, dtype=np.int64)] * (count - len(plan))
+            break
+        i = max(splittable, key=lambda j: int(row_tokens[plan[j]].sum()))
+        half = plan[i].size // 2
+        plan[i : i + 1] = [plan[i][:half], plan[i][half:]]
+    return plan
+
+
+def row_tokens(batch: dict[str, torch.Tensor]) -> np.ndarray:
+    """(B,) prompt + response tokens of each row (what a micro-batch's token budget counts)."""
+    lengths = batch["prompt_mask"].sum(dim=1) + batch["response_mask"].sum(dim=1)
+    return lengths.long().cpu().numpy()
+
+
+def trim(batch: dict[str, torch.Tensor], rows: np.ndarray) -> dict[str, torch.Tensor]:
+    """The tensors of ``rows``, cut to their longest prompt (left-padded) and longest
+    response (right-padded): no micro-batch is padded to ``rollout.response_length``."""
+    index = torch.as_tensor(rows, dtype=torch.long, device=batch["prompt_mask"].device)
+    out = {key: value[index] for key, value in batch.items()}
+    widths = {
+        "prompt_": int(out["prompt_mask"].sum(dim=1).max()) if rows.size else 1,
+        "response_": int(out["response_mask"].sum(dim=1).max()) if rows.size else 1,
+    }
+    for key, value in out.items():
+        if value.ndim != 2:
+            continue
+        if key.startswith("prompt_"):
+            out[key] = value[:, value.shape[1] - max(1, widths["prompt_"]) :]
+        else:  # response-shaped (B, L): ids, mask, log-probs, and the per-token references
+            out[key] = value[:, : max(1, widths["response_"])]
+    return out
 
 
 def to_tensors(batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:

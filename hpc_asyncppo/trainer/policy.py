@@ -1,150 +1,507 @@
-"""The trained policy (HF causal LM, optional value head, optional frozen reference) and
-one PPO update on a trainer rank's shard of the batch.
+"""The trained policy on the trainer ranks, sharded with FSDP2, and one PPO update.
 
-The loss math lives in ``algos.py``; this file only runs the model and wires the pieces.
+The model is a Hugging Face causal LM (plus a value head for GAE), wrapped in
+``PolicyModule`` and sharded by ``shard_model`` the same way for any number of trainer
+ranks T, one included: ``fully_shard`` on every decoder layer, then on the root (embeddings,
+final norm, LM head, value head). It is built on the meta device and each rank reads only
+its own rows of every tensor from the model's safetensors files.
+
+What a trainer rank holds, for N parameters:
+- its 1/T of the master weights (fp32), of their gradients (fp32) and of AdamW's two
+  moments (fp32): 16 N / T bytes, ``Policy.state_bytes()``;
+- during a forward or backward, the full weights of one decoder layer in ``model.dtype``
+  (the next one prefetched) and of the root unit; the activations of one micro-batch (with
+  ``actor.gradient_checkpointing``, each layer's input only); and the full-vocabulary logits
+  of ``actor.log_prob_chunk_tokens`` tokens in fp32, recomputed chunk by chunk in the
+  backward;
+- with ``actor.use_kl_loss``, a frozen reference model sharded the same way in
+  ``model.dtype`` (2 N / T bytes for bf16), without gradients or optimizer state.
+
+Mixed precision: forward and backward run in ``model.dtype``; gradients are reduce-scattered
+in fp32 and summed (not averaged): the loss of each micro-batch is already its share of the
+mini-batch's loss over every rank (``algos.agg_loss_share``), so an update does not depend
+on how rows are split over ranks and micro-batches.
+
+Weights leave the trainer one tensor at a time (``named_weights``, ``state_sources``): every
+trainer rank takes part in gathering each tensor, the leader uses it, and it is freed.
 """
 
 from __future__ import annotations
 
-import copy
+import json
+import resource
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch import nn
-from transformers import AutoModelForCausalLM
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from hpc_asyncppo.checkpoint.store import CheckpointError, check_compatible
+from hpc_asyncppo.checkpoint.store import CheckpointError, StateReader
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.rollout.hf_engine import DTYPES
 from hpc_asyncppo.trainer import algos
+from hpc_asyncppo.trainer.batch import plan_micro_batches, row_tokens, split_to_count, trim
+from hpc_asyncppo.trainer.schedule import LRSchedule
 
 
-class Policy:
-    def __init__(self, cfg: Config, device: torch.device):
-        self.cfg, self.device = cfg, device
-        self.model = AutoModelForCausalLM.from_pretrained(
-            cfg.model.path, dtype=DTYPES[cfg.model.dtype]
-        ).to(device)
-        self.model.train()
-        params = list(self.model.parameters())
-        self.value_head: nn.Linear | None = None
-        if cfg.algorithm.adv_estimator == "gae":
-            torch.manual_seed(cfg.trainer.seed)  # identical on every trainer rank
-            self.value_head = nn.Linear(self.model.config.hidden_size, 1).to(device)
-            params += list(self.value_head.parameters())
-        self.reference = None
-        if cfg.actor.use_kl_loss:
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay
-        )
+class PolicyModule(nn.Module):
+    """The LM and its optional value head as one root module: FSDP gathers the root unit's
+    weights (embeddings, LM head, value head) around this forward."""
 
-    def state_tree(self) -> dict:
-        """What a checkpoint keeps of the trained model: weights, value head, optimizer."""
-        tree = {
-            "model": {n: p.detach() for n, p in self.model.named_parameters()},
-            "optimizer": self.optimizer.state_dict(),
-        }
-        if self.value_head is not None:
-            tree["value_head"] = {n: p.detach() for n, p in self.value_head.named_parameters()}
-        return tree
-
-    @torch.no_grad()
-    def restore(self, tree: dict, source: str) -> None:
-        """Load ``state_tree()``'s output; CheckpointError naming the first tensor that differs."""
-        parts = [("model", self.model)] + (
-            [("value_head", self.value_head)] if self.value_head else []
-        )
-        for key, module in parts:
-            if key not in tree:
-                raise CheckpointError(
-                    f"checkpoint {source} has no {key!r} (was it written with another algorithm?)"
-                )
-            check_compatible(tree[key], module.named_parameters(), source)
-            for name, param in module.named_parameters():
-                param.copy_(tree[key][name])
-        self.optimizer.load_state_dict(tree["optimizer"])
-
-    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The weights rollout ranks need (the LM, not the value head)."""
-        return [(name, p.detach()) for name, p in self.model.named_parameters()]
+    def __init__(self, lm: nn.Module, value_head: nn.Linear | None):
+        super().__init__()
+        self.lm, self.value_head = lm, value_head
 
     def forward(
-        self, model: nn.Module, batch: dict[str, torch.Tensor], with_values: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Response log-probs (B, L), logits (B, L, V) scaled by temperature, values (B, L) or None."""
+        self,
+        batch: dict[str, torch.Tensor],
+        temperature: float,
+        chunk_tokens: int,
+        with_entropy: bool = False,
+        with_values: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Sampled-token log-probs (B, L) of log_softmax(logits / temperature), entropy
+        (B, L) or None, values (B, L) or None, for a batch of left-padded prompts followed
+        by right-padded responses."""
         prompt_width = batch["prompt_ids"].shape[1]
         input_ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
         attention = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1).long()
         position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
-        out = model(
+        base = getattr(self.lm, self.lm.base_model_prefix)
+        hidden = base(
             input_ids=input_ids,
             attention_mask=attention,
             position_ids=position_ids,
-            output_hidden_states=with_values,
-        )
-        # The logits at position t predict token t + 1: responses start after the last prompt token.
-        logits = out.logits[:, prompt_width - 1 : -1].float() / self.cfg.rollout.temperature
-        log_probs = (
-            torch.log_softmax(logits, dim=-1)
-            .gather(-1, batch["response_ids"].unsqueeze(-1))
-            .squeeze(-1)
+            use_cache=False,
+        ).last_hidden_state
+        # The state at position t predicts token t + 1: responses start after the prompt.
+        hidden = hidden[:, prompt_width - 1 : -1]
+        log_probs, entropy = token_log_probs(
+            self.lm.get_output_embeddings(),
+            hidden,
+            batch["response_ids"],
+            temperature,
+            chunk_tokens,
+            with_entropy,
         )
         values = None
         if with_values and self.value_head is not None:
-            hidden = out.hidden_states[-1][:, prompt_width - 1 : -1].float()
-            values = self.value_head(hidden).squeeze(-1)
-        return log_probs, logits, values
+            values = self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)
+        return log_probs, entropy, values
 
 
-def all_reduce_gradients(
-    params: list[nn.Parameter], group: dist.ProcessGroup | None, world: int
-) -> None:
-    """Average gradients over the trainer ranks with one flat all-reduce."""
-    if world == 1:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= world
-    offset = 0
-    for p, g in zip(params, grads, strict=True):
-        p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
-        offset += g.numel()
+def token_log_probs(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log_softmax(head(hidden) / temperature) at ``targets``, (B, L), and the entropy.
+
+    The logits exist ``chunk_tokens`` rows at a time, in fp32; under autograd each chunk is
+    recomputed in the backward, so only the hidden states are kept between the two.
+    """
+    width = hidden.shape[-1]
+    flat_hidden, flat_targets = hidden.reshape(-1, width), targets.reshape(-1)
+
+    def chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = head(h).float() / temperature
+        log_z = torch.logsumexp(logits, dim=-1)
+        picked = logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) - log_z
+        if not with_entropy:
+            return picked, picked.new_zeros(0)
+        entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+        return picked, entropy
+
+    picked, entropies = [], []
+    for start in range(0, flat_hidden.shape[0], chunk_tokens):
+        h, t = flat_hidden[start : start + chunk_tokens], flat_targets[start : start + chunk_tokens]
+        if torch.is_grad_enabled():
+            lp, ent = checkpoint(chunk, h, t, use_reentrant=False)
+        else:
+            lp, ent = chunk(h, t)
+        picked.append(lp)
+        entropies.append(ent)
+    # reshape(...).clone(): a module's output must not be a view (FSDP's backward hook)
+    log_probs = torch.cat(picked).reshape(targets.shape).clone()
+    entropy = torch.cat(entropies).reshape(targets.shape).clone() if with_entropy else None
+    return log_probs, entropy
 
 
-def micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
-    """Row indices in chunks of ``size`` (0: one chunk)."""
-    return list(rows.split(size)) if size > 0 else [rows]
+def decoder_layers(lm: nn.Module) -> list[nn.Module]:
+    """The model's transformer blocks (the classes HF never splits across devices)."""
+    names = set(getattr(lm, "_no_split_modules", None) or [])
+    layers = [m for m in lm.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(lm).__name__}: cannot find its decoder layers to shard")
+    return layers
+
+
+def shard_model(module: PolicyModule, mesh: DeviceMesh, compute: torch.dtype | None) -> None:
+    """FSDP2: one unit per decoder layer, then the root; compute in ``compute``, gradients
+    reduced in fp32 and summed over the ranks (the loss is normalised globally)."""
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    layers = decoder_layers(module.lm)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(module, mesh=mesh, mp_policy=policy)
+    for unit in [*layers, module]:
+        unit.set_gradient_divide_factor(1.0)
+        # plain SUM (gloo has no PREMUL_SUM; with a factor of 1 nothing is scaled anyway)
+        unit.set_force_sum_reduction_for_comms(True)
+
+
+def shard_rows_of(tensor: torch.Tensor, full_rows: int) -> slice:
+    """Rows of the full tensor that this rank's local shard of ``tensor`` holds (FSDP2
+    shards dim 0 like ``torch.chunk``: ceil(rows / T) per rank, the last ones shorter)."""
+    if not isinstance(tensor, DTensor):
+        return slice(0, full_rows)
+    mesh = tensor.device_mesh
+    per_rank = -(-full_rows // mesh.size())
+    start = min(mesh.get_local_rank() * per_rank, full_rows)
+    return slice(start, min(start + per_rank, full_rows))
 
 
 @torch.no_grad()
-def reference_quantities(policy: Policy, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def set_full(tensor: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's rows of ``full`` (the whole tensor) into ``tensor`` (sharded or not)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if full.dim() == 0:
+        local.copy_(full)
+        return
+    rows = shard_rows_of(tensor, full.shape[0])
+    local.copy_(full[rows].to(local.dtype))
+
+
+def gather_full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every trainer rank (collective for a sharded one)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+class SafetensorsWeights:
+    """Reads rows of tensors from an HF folder's safetensors files (one file or an index)."""
+
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            mapping = json.loads(index.read_text())["weight_map"]
+            self.files = {name: folder / file for name, file in mapping.items()}
+        elif (folder / "model.safetensors").is_file():
+            with safe_open(folder / "model.safetensors", "pt") as f:
+                self.files = {name: folder / "model.safetensors" for name in f.keys()}  # noqa: SIM118
+        else:
+            raise ValueError(f"model.path={str(folder)!r} has no model.safetensors (or its index)")
+
+    def read(self, name: str, rows: slice | None) -> torch.Tensor:
+        if name not in self.files:
+            raise ValueError(f"the model's safetensors files have no tensor {name!r}")
+        with safe_open(self.files[name], "pt") as f:
+            part = f.get_slice(name)
+            return part[rows] if rows is not None and part.get_shape() else part[:]
+
+
+def build_sharded(
+    cfg: Config,
+    mesh: DeviceMesh,
+    device: torch.device,
+    master: torch.dtype,
+    compute: torch.dtype | None,
+    with_value_head: bool,
+) -> PolicyModule:
+    """The LM (and value head) on the meta device, sharded, then each rank's rows read in."""
+    config = AutoConfig.from_pretrained(cfg.model.path)
+    config.use_cache = False
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(
+            config, dtype=master, attn_implementation=cfg.model.attn_implementation
+        )
+        value_head = nn.Linear(config.hidden_size, 1, dtype=master) if with_value_head else None
+    if cfg.actor.gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    module = PolicyModule(lm, value_head)
+    shard_model(module, mesh, compute)
+    module.to_empty(device=device)
+    weights = SafetensorsWeights(cfg.model.path)
+    for name, param in lm.named_parameters():
+        _load_rows(param, weights, name)
+    for sub in lm.modules():  # non-persistent buffers (rotary frequencies) are not in the files
+        if list(sub.buffers(recurse=False)) and not list(sub.parameters(recurse=False)):
+            lm._init_weights(sub)
+    if value_head is not None:
+        # The same initial value head on every rank, whatever T: drawn whole, then sliced.
+        gen = torch.Generator().manual_seed(cfg.trainer.seed)
+        bound = config.hidden_size**-0.5
+        full_w = (torch.rand(1, config.hidden_size, generator=gen) * 2 - 1) * bound
+        set_full(value_head.weight, full_w)
+        set_full(value_head.bias, torch.zeros(1))
+    return module
+
+
+@torch.no_grad()
+def _load_rows(param: torch.Tensor, weights: SafetensorsWeights, name: str) -> None:
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if param.dim() == 0:
+        local.copy_(weights.read(name, None))
+        return
+    rows = shard_rows_of(param, param.shape[0])
+    part = weights.read(name, rows)
+    if tuple(part.shape) != tuple(local.shape):
+        raise ValueError(
+            f"tensor {name!r} in {weights.files[name]}: rows {rows.start}:{rows.stop} have shape "
+            f"{tuple(part.shape)}, this rank's shard {tuple(local.shape)}"
+        )
+    local.copy_(part.to(local.dtype))
+
+
+class Policy:
+    """The sharded policy of one trainer rank: model, optimizer, LR schedule, reference."""
+
+    def __init__(self, cfg: Config, device: torch.device, group: dist.ProcessGroup | None = None):
+        self.cfg, self.device = cfg, device
+        self.group = group if group is not None else dist.group.WORLD
+        self.world = dist.get_world_size(self.group)
+        mesh = DeviceMesh.from_group(self.group, device.type)
+        dtype = DTYPES[cfg.model.dtype]
+        self.compute_dtype = dtype
+        compute = None if dtype == torch.float32 else dtype
+        self.module = build_sharded(
+            cfg, mesh, device, torch.float32, compute, cfg.algorithm.adv_estimator == "gae"
+        )
+        self.module.train()
+        self.model = self.module.lm
+        self.value_head = self.module.value_head
+        self.reference: PolicyModule | None = None
+        if cfg.actor.use_kl_loss:  # the initial weights, frozen, kept in the compute dtype
+            self.reference = build_sharded(cfg, mesh, device, dtype, None, False).eval()
+            self.reference.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.module.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay
+        )
+        total_updates = (
+            cfg.trainer.total_steps * cfg.actor.ppo_epochs * cfg.async_training.require_batches
+        )
+        self.schedule = LRSchedule(self.optimizer, cfg.actor, total_updates)
+
+    # --- running the model ----------------------------------------------------------------
+    def forward(
+        self,
+        batch: dict[str, torch.Tensor],
+        with_entropy: bool = False,
+        with_values: bool = False,
+        reference: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(log-probs, entropy or None, values or None), each (B, L); see PolicyModule."""
+        module = self.reference if reference else self.module
+        return module(
+            batch,
+            self.cfg.rollout.temperature,
+            self.cfg.actor.log_prob_chunk_tokens,
+            with_entropy=with_entropy,
+            with_values=with_values,
+        )
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the trainer ranks (in place; float64 on the CPU travels as is)."""
+        if self.world > 1:
+            on_device = tensor.to(self.device)
+            dist.all_reduce(on_device, group=self.group)
+            tensor.copy_(on_device)
+        return tensor
+
+    # --- weights out, one tensor at a time -----------------------------------------------
+    def weight_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(name, full shape, dtype) of each tensor ``named_weights`` yields; no communication."""
+        return [(n, tuple(p.shape), self.compute_dtype) for n, p in self.model.named_parameters()]
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LM's full weights in ``model.dtype``, one at a time (the rollout ranks' copy).
+        Collective: every trainer rank must iterate it to the end, in step."""
+        for name, param in self.model.named_parameters():
+            yield name, gather_full(param.detach()).to(self.compute_dtype)
+
+    def state_sources(self) -> list[tuple[tuple, Callable[[], object]]]:
+        """(path in the checkpoint tree, function returning the value) for every piece of the
+        trained state, in the order a checkpoint writes them. The functions of sharded
+        tensors are collective: every trainer rank calls them all, in this order."""
+        sources: list[tuple[tuple, Callable[[], object]]] = []
+        for name, param in self.model.named_parameters():
+            sources.append((("model", name), lambda p=param: gather_full(p.detach())))
+        if self.value_head is not None:
+            for name, param in self.value_head.named_parameters():
+                sources.append((("value_head", name), lambda p=param: gather_full(p.detach())))
+        params = list(self.module.parameters())
+        state = self.optimizer.state
+        for index, param in enumerate(params):
+            for key, value in state.get(param, {}).items():
+                sources.append(
+                    (("optimizer", "state", index, key), lambda v=value: gather_full(v).clone())
+                )
+        groups = self.optimizer.state_dict()["param_groups"]
+        sources.append((("optimizer", "param_groups"), lambda: groups))
+        sources.append((("lr_schedule",), self.schedule.state_dict))
+        return sources
+
+    def state_bytes(self) -> int:
+        """Bytes of master weights, gradients and optimizer state this rank holds (its shard)."""
+
+        def local_bytes(t: torch.Tensor) -> int:
+            t = t.to_local() if isinstance(t, DTensor) else t
+            return t.numel() * t.element_size()
+
+        total = 0
+        for p in self.module.parameters():
+            total += local_bytes(p) + (local_bytes(p.grad) if p.grad is not None else 0)
+            for value in self.optimizer.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor):
+                    total += local_bytes(value)
+        return total
+
+    # --- state back in -------------------------------------------------------------------
+    @torch.no_grad()
+    def load_state(self, reader: StateReader, source: str) -> None:
+        """Restore from a checkpoint, one tensor at a time (``reader``: ``CheckpointReader``,
+        or ``TreeReader`` of an in-memory tree); each rank keeps its own rows."""
+        read = reader.get
+        parts = [("model", self.model)] + (
+            [("value_head", self.value_head)] if self.value_head else []
+        )
+        for key, module in parts:
+            names = reader.keys(key)
+            if names is None:
+                raise CheckpointError(
+                    f"checkpoint {source} has no {key!r} (was it written with another algorithm?)"
+                )
+            mine = dict(module.named_parameters())
+            for name in mine:
+                if name not in names:
+                    raise CheckpointError(
+                        f"checkpoint {source} has no tensor {name!r}, which the model has"
+                    )
+            for name in names:
+                if name not in mine:
+                    raise CheckpointError(
+                        f"checkpoint {source} has tensor {name!r}, which the model does not have"
+                    )
+            for name, param in mine.items():
+                full = read(key, name)
+                if tuple(full.shape) != tuple(param.shape):
+                    raise CheckpointError(
+                        f"checkpoint {source}: tensor {name!r} has shape {tuple(full.shape)}, "
+                        f"the model has {tuple(param.shape)}"
+                    )
+                if not full.is_floating_point():
+                    raise CheckpointError(
+                        f"checkpoint {source}: tensor {name!r} has dtype "
+                        f"{str(full.dtype).removeprefix('torch.')}, the model has float32"
+                    )
+                set_full(param, full)
+        self.load_optimizer(reader)
+        if reader.keys("lr_schedule") is not None:
+            self.schedule.load_state_dict(read("lr_schedule"))
+
+    def load_optimizer(self, reader: StateReader) -> None:
+        params = list(self.module.parameters())
+        state: dict[int, dict] = {}
+        for index in reader.keys("optimizer", "state") or []:
+            param = params[int(index)]
+            entry = {}
+            for key in reader.keys("optimizer", "state", index):
+                full = reader.get("optimizer", "state", index, key)
+                if key == "step" or full.dim() == 0:
+                    entry[key] = full.clone()
+                else:
+                    value = torch.zeros_like(param)
+                    set_full(value, full)
+                    entry[key] = value
+            state[int(index)] = entry
+        groups = reader.get("optimizer", "param_groups")
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process: allocated on the GPU, or resident (RSS) on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# --- the update ---------------------------------------------------------------------------
+
+
+def mini_batch_plans(policy: Policy, batch: dict[str, torch.Tensor]) -> list[list[np.ndarray]]:
+    """Per mini-batch, the row indices of each micro-batch (the same count on every rank)."""
+    actor = policy.cfg.actor
+    rows = np.arange(batch["response_mask"].shape[0])
+    tokens = row_tokens(batch)
+    budget = actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None
+    plans = []
+    for mini in np.array_split(rows, policy.cfg.async_training.require_batches):
+        plan = [
+            mini[mb]
+            for mb in plan_micro_batches(tokens[mini], actor.ppo_micro_batch_size_per_gpu, budget)
+        ]
+        plans.append(plan)
+    if budget is not None and policy.world > 1:
+        counts = policy.all_reduce(torch.tensor([len(p) for p in plans], dtype=torch.float64))
+        plans = [
+            split_to_count(p, tokens, int(c)) for p, c in zip(plans, counts.tolist(), strict=True)
+        ]
+    return plans
+
+
+def _pieces(plans: list[list[np.ndarray]]) -> Iterator[np.ndarray]:
+    for plan in plans:
+        yield from plan
+
+
+@torch.no_grad()
+def reference_quantities(
+    policy: Policy, batch: dict[str, torch.Tensor], plans: list[list[np.ndarray]]
+) -> dict[str, torch.Tensor]:
     """Before any update of the step: old log-probs, ref log-probs, values, advantages,
     returns and importance weights, each (B, L), computed micro-batch by micro-batch."""
     cfg = policy.cfg
     mask = batch["response_mask"]
-    parts: dict[str, list[torch.Tensor]] = {"old_log_probs": [], "values": [], "ref_log_probs": []}
-    for idx in micro_batches(torch.arange(mask.shape[0]), cfg.actor.ppo_micro_batch_size_per_gpu):
-        mb = {k: v[idx] for k, v in batch.items()}
-        log_probs, _, values = policy.forward(
-            policy.model, mb, with_values=policy.value_head is not None
-        )
-        parts["old_log_probs"].append(log_probs)
+    out: dict[str, torch.Tensor] = {"old_log_probs": torch.zeros_like(mask)}
+    if policy.value_head is not None:
+        out["values"] = torch.zeros_like(mask)
+    if policy.reference is not None:
+        out["ref_log_probs"] = torch.zeros_like(mask)
+    for rows in _pieces(plans):
+        if rows.size == 0:
+            rows = np.zeros(1, dtype=np.int64)  # an empty micro-batch still joins the collectives
+        mb = trim(batch, rows)
+        width = mb["response_ids"].shape[1]
+        index = torch.as_tensor(rows, device=mask.device)
+        log_probs, _, values = policy.forward(mb, with_values=policy.value_head is not None)
+        out["old_log_probs"][index, :width] = log_probs
         if values is not None:
-            parts["values"].append(values)
+            out["values"][index, :width] = values
         if policy.reference is not None:
-            parts["ref_log_probs"].append(policy.forward(policy.reference, mb)[0])
-    out = {k: torch.cat(v) for k, v in parts.items() if v}
+            out["ref_log_probs"][index, :width] = policy.forward(mb, reference=True)[0].float()
     if cfg.async_training.use_rollout_log_probs:
         out["old_log_probs"] = batch["rollout_log_probs"]
     if cfg.algorithm.adv_estimator == "gae":
         token_rewards = torch.zeros_like(mask)
         last = (mask.sum(dim=1).long() - 1).clamp(min=0)
         token_rewards[torch.arange(mask.shape[0]), last] = batch["rewards"]
-        out["advantages"], out["returns"] = algos.gae_advantages(
-            token_rewards, out["values"], mask, cfg.algorithm.gamma, cfg.algorithm.lam
+        raw, out["returns"] = algos.gae_advantages(
+            token_rewards, out["values"], mask, cfg.algorithm.gamma, cfg.algorithm.lam, whiten=False
         )
+        # whitened over the whole batch of every trainer rank, as on one rank
+        moments = policy.all_reduce(algos.masked_moments(raw, mask))
+        out["advantages"] = algos.whiten_with(raw, moments)
     else:
         out["advantages"] = algos.token_advantages(batch["advantages"], mask)
     if cfg.algorithm.rollout_is != "none":
@@ -156,68 +513,89 @@ def reference_quantities(policy: Policy, batch: dict[str, torch.Tensor]) -> dict
 
 
 def micro_batch_loss(
-    policy: Policy, mb: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The PPO loss of one micro-batch (``ref``: its rows of ``reference_quantities``)."""
+    policy: Policy, mb: dict[str, torch.Tensor], normalisers: tuple[float, float]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This micro-batch's share of the mini-batch's PPO loss (``mb``: batch rows with their
+    ``reference_quantities`` merged in), and its shares of the logged statistics."""
     cfg, actor = policy.cfg, policy.cfg.actor
     m = mb["response_mask"]
-    log_probs, logits, values = policy.forward(
-        policy.model, mb, with_values=policy.value_head is not None
+    log_probs, entropy, values = policy.forward(
+        mb, with_entropy=actor.entropy_coeff > 0, with_values=policy.value_head is not None
     )
     loss, pg_stats = algos.policy_loss(
-        log_probs, ref["old_log_probs"], ref["advantages"], m,
+        log_probs, mb["old_log_probs"], mb["advantages"], m,
         actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c, actor.loss_agg_mode,
-        is_weights=ref.get("is_weights"),
+        is_weights=mb.get("is_weights"), normalisers=normalisers,
     )  # fmt: skip
-    stats = {"actor/pg_loss": loss.item(), **{f"actor/{k}": v.item() for k, v in pg_stats.items()}}
-    if actor.entropy_coeff > 0:
-        entropy = algos.agg_loss(algos.entropy_from_logits(logits), m, actor.loss_agg_mode)
-        loss = loss - actor.entropy_coeff * entropy
-        stats["actor/entropy"] = entropy.item()
-    if "ref_log_probs" in ref:
-        kl_tokens = algos.kl_penalty(log_probs, ref["ref_log_probs"], actor.kl_loss_type)
-        kl = algos.agg_loss(kl_tokens, m, actor.loss_agg_mode)
+    stats = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in pg_stats.items()}}
+    if entropy is not None:
+        ent = algos.aggregate(entropy, m, actor.loss_agg_mode, normalisers)
+        loss = loss - actor.entropy_coeff * ent
+        stats["actor/entropy"] = ent.detach()
+    if "ref_log_probs" in mb:
+        kl_tokens = algos.kl_penalty(log_probs, mb["ref_log_probs"], actor.kl_loss_type)
+        kl = algos.aggregate(kl_tokens, m, actor.loss_agg_mode, normalisers)
         loss = loss + actor.kl_loss_coef * kl
-        stats["actor/kl_loss"] = kl.item()
+        stats["actor/kl_loss"] = kl.detach()
     if values is not None:
         vf_loss, vf_clipfrac = algos.value_loss(
-            values,
-            ref["values"],
-            ref["returns"],
-            m,
-            cfg.critic.cliprange_value,
-            actor.loss_agg_mode,
-        )
+            values, mb["values"], mb["returns"], m,
+            cfg.critic.cliprange_value, actor.loss_agg_mode, normalisers,
+        )  # fmt: skip
         loss = loss + cfg.critic.value_coef * vf_loss
-        stats["critic/vf_loss"], stats["critic/vf_clipfrac"] = vf_loss.item(), vf_clipfrac.item()
+        stats["critic/vf_loss"], stats["critic/vf_clipfrac"] = vf_loss.detach(), vf_clipfrac
     return loss, stats
 
 
-def ppo_update(
-    policy: Policy, batch: dict[str, torch.Tensor], group: dist.ProcessGroup | None, world: int
-) -> dict[str, float]:
-    """One trainer step on this rank's shard: require_batches mini-batches x ppo_epochs
-    optimizer steps, each accumulating gradients over micro-batches, then all-reduced."""
-    cfg, actor = policy.cfg, policy.cfg.actor
-    ref = reference_quantities(policy, batch)
-    params = [p for group_ in policy.optimizer.param_groups for p in group_["params"]]
-    rows = torch.arange(batch["response_mask"].shape[0])
-    totals: dict[str, float] = {}
-    updates = 0
+def accumulate_gradients(
+    policy: Policy, batch: dict[str, torch.Tensor], plan: list[np.ndarray]
+) -> dict[str, torch.Tensor]:
+    """Zero the gradients, then backward every micro-batch of one mini-batch (``batch``: rows
+    with their reference quantities). Returns this rank's shares of the statistics."""
+    policy.optimizer.zero_grad(set_to_none=True)
+    rows = np.concatenate(plan) if plan else np.zeros(0, dtype=np.int64)
+    index = torch.as_tensor(rows, dtype=torch.long, device=batch["response_mask"].device)
+    counts = policy.all_reduce(algos.loss_normalisers(batch["response_mask"][index]))
+    normalisers = (float(counts[0]), float(counts[1]))
+    totals: dict[str, torch.Tensor] = {}
+    for mb_rows in plan:
+        empty = mb_rows.size == 0
+        mb = trim(batch, np.zeros(1, dtype=np.int64) if empty else mb_rows)
+        if empty:  # joins the collectives, contributes nothing
+            mb["response_mask"] = torch.zeros_like(mb["response_mask"])
+        loss, stats = micro_batch_loss(policy, mb, normalisers)
+        loss.backward()
+        for k, v in stats.items():
+            totals[k] = totals.get(k, 0.0) + v.double()
+    return totals
+
+
+def ppo_update(policy: Policy, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """One trainer step on this rank's rows: require_batches mini-batches x ppo_epochs
+    optimizer steps. Collective over the trainer ranks; every rank returns the same
+    statistics (each a mean over the whole batch of every rank, averaged over the steps)."""
+    actor = policy.cfg.actor
+    plans = mini_batch_plans(policy, batch)
+    merged = {**batch, **reference_quantities(policy, batch, plans)}
+    totals: dict[str, torch.Tensor] = {}
+    grad_norm, updates = 0.0, 0
     for _ in range(actor.ppo_epochs):
-        for mini in rows.chunk(cfg.async_training.require_batches):
-            policy.optimizer.zero_grad(set_to_none=True)
-            for idx in micro_batches(mini, actor.ppo_micro_batch_size_per_gpu):
-                mb = {k: v[idx] for k, v in batch.items()}
-                loss, stats = micro_batch_loss(policy, mb, {k: v[idx] for k, v in ref.items()})
-                # each micro-batch's share of the mini-batch (verl's scaling)
-                (loss * (len(idx) / len(mini))).backward()
-                for k, v in stats.items():
-                    totals[k] = totals.get(k, 0.0) + v * len(idx) / len(mini)
-            all_reduce_gradients(params, group, world)
+        for plan in plans:
+            for k, v in accumulate_gradients(policy, merged, plan).items():
+                totals[k] = totals.get(k, 0.0) + v
             if actor.grad_clip > 0:
-                norm = float(torch.nn.utils.clip_grad_norm_(params, actor.grad_clip))
-                totals["actor/grad_norm"] = totals.get("actor/grad_norm", 0.0) + norm
+                norm = torch.nn.utils.clip_grad_norm_(
+                    list(policy.module.parameters()), actor.grad_clip
+                )
+                grad_norm += float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+            policy.schedule.before_step()
             policy.optimizer.step()
+            policy.schedule.after_step()
             updates += 1
-    return {k: v / updates for k, v in totals.items()}
+    keys = sorted(totals)
+    summed = policy.all_reduce(torch.stack([totals[k] for k in keys]).cpu()) if keys else []
+    stats = {k: float(v) / updates for k, v in zip(keys, summed, strict=True)}
+    if actor.grad_clip > 0:
+        stats["actor/grad_norm"] = grad_norm / updates
+    stats["actor/lr"] = policy.schedule.current_lr()
+    return stats

@@ -27,6 +27,7 @@ from hpc_asyncppo import runlog
 from hpc_asyncppo.checkpoint.overflow import SpillQueue
 from hpc_asyncppo.checkpoint.rank_state import decode_rank_state, encode_rank_state
 from hpc_asyncppo.checkpoint.store import (
+    CheckpointReader,
     checkpoint_path,
     prune_checkpoints,
     rng_state,
@@ -39,9 +40,9 @@ from hpc_asyncppo.launch.signals import stop_requested
 from hpc_asyncppo.launch.topology import Topology
 from hpc_asyncppo.timeline import Timeline
 from hpc_asyncppo.trainer import algos
-from hpc_asyncppo.trainer.batch import collate, split_rows, to_tensors
+from hpc_asyncppo.trainer.batch import collate, shard_rows, to_tensors
 from hpc_asyncppo.trainer.credits import CreditController
-from hpc_asyncppo.trainer.policy import Policy, ppo_update
+from hpc_asyncppo.trainer.policy import Policy, peak_memory_mb, ppo_update
 from hpc_asyncppo.transport.arrays import pack_arrays, unpack_arrays
 from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleReceiver, decode_group
 from hpc_asyncppo.transport.waits import PeerTimeout, poll_until
@@ -59,7 +60,7 @@ def staleness_of(group: SampleGroup, version: int) -> int:
 
 class TrainerLeader:
     def __init__(
-        self, cfg: Config, topo: Topology, run_dir: Path, policy: Policy, checkpoint: tuple | None
+        self, cfg: Config, topo: Topology, run_dir: Path, policy: Policy, checkpoint: Path | None
     ):
         self.cfg, self.topo, self.run_dir, self.policy = cfg, topo, run_dir, policy
         self.receiver = SampleReceiver(topo.inter)
@@ -82,7 +83,7 @@ class TrainerLeader:
         self.last_sync_s = 0.0
         self.rollout_idle: dict[int, tuple[float, float]] = {}
         if checkpoint is not None:
-            self.restore(*checkpoint)
+            self.restore(checkpoint)
         else:
             runlog.truncate_to_step(run_dir, 0)  # a --resume with no checkpoint starts over
         self.metrics = runlog.MetricsWriter(run_dir)
@@ -104,14 +105,11 @@ class TrainerLeader:
             groups = self.collect_batch()
             train_start = time.time()
             batch = collate(groups, self.advantages(groups), self.pad_id)
-            shards = split_rows(batch, self.topo.train_ranks)
-            self.send_shards(shards[1:], {"step": self.step + 1})
-            stats = ppo_update(
-                self.policy,
-                to_tensors(shards[0], self.topo.device),
-                self.topo.trainer_group,
-                self.topo.train_ranks,
+            shards = shard_rows(
+                batch, self.topo.train_ranks, self.cfg.async_training.require_batches
             )
+            self.send_shards(shards[1:], {"step": self.step + 1})
+            stats = ppo_update(self.policy, to_tensors(shards[0], self.topo.device))
             self.step += 1
             self.record(groups, stats)
             self.timeline.record("train", train_start, time.time(), step=self.step)
@@ -182,10 +180,11 @@ class TrainerLeader:
         return algos.grpo_advantages(scores, norm_by_std=norm).numpy()
 
     def send_shards(self, shards: list[dict[str, np.ndarray]], meta: dict) -> None:
-        """One message to each follower: its shard, or (empty) a stop or checkpoint order."""
+        """One message to each follower: its shard, or (empty) an order to stop, to checkpoint
+        or to sync (the followers then take part in gathering the weights)."""
         requests = []
         for follower, shard in enumerate(shards, start=1):
-            buf = pack_arrays(shard, {"stop": False, "checkpoint": False, **meta})
+            buf = pack_arrays(shard, {"stop": False, "checkpoint": False, "sync": False, **meta})
             requests.append(
                 (self.topo.local.Isend([buf, MPI.BYTE], dest=follower, tag=TAG_SHARD), buf)
             )
@@ -196,16 +195,27 @@ class TrainerLeader:
         )
 
     def sync_weights(self, version: int) -> None:
+        """Broadcast the weights as ``version``, gathered from the shards one tensor at a time."""
         start = time.time()
         self.receiver.broadcast_control(Control.SYNC, version)
-        self.last_sync_s = self.broadcaster.broadcast(version, self.policy.named_weights())
+        self.order_followers({"sync": True, "step": self.step})
+        digest = runlog.WeightDigest() if self.cfg.trainer.record_weight_digests else None
+        self.last_sync_s = self.broadcaster.broadcast(
+            version,
+            self.policy.named_weights(),
+            specs=self.policy.weight_specs(),
+            on_tensor=digest.add if digest else None,
+        )
         self.version = version
         self.credits.synced()
-        if self.cfg.trainer.record_weight_digests:
+        if digest is not None:
             runlog.record_weight_digest(
-                self.run_dir, self.topo.world_rank, version, self.policy.named_weights()
+                self.run_dir, self.topo.world_rank, version, digest.hexdigest()
             )
         self.timeline.record("sync", start, time.time(), version=version)
+
+    def order_followers(self, meta: dict) -> None:
+        self.send_shards([{}] * (self.topo.train_ranks - 1), meta)
 
     def drop(self, group: SampleGroup, reason: str) -> None:
         self.credits.consumed(trained=0, dropped=1)
@@ -254,6 +264,8 @@ class TrainerLeader:
                     "trainer/idle_ratio": self.idle_s / max(elapsed, 1e-9),
                     "rollouter/idle_ratio": float(np.mean(rollout_idle)) if rollout_idle else 0.0,
                     "sync/time_s": self.last_sync_s,
+                    "memory/trainer_state_mb": self.policy.state_bytes() / 2**20,
+                    "memory/trainer_peak_mb": peak_memory_mb(self.topo.device),
                     **stats,
                 }
             ]
@@ -264,14 +276,16 @@ class TrainerLeader:
         return checkpoint_path(self.run_dir, self.step).exists()
 
     def checkpoint(self, reason: str) -> None:
-        """Quiesce the rollout ranks, gather every rank's state, write one HDF5 file."""
+        """Quiesce the rollout ranks, gather every rank's state, write one HDF5 file. The
+        sharded model and optimizer state are gathered one tensor at a time as the file is
+        written (every trainer rank takes part), so no rank holds them whole."""
         start = time.time()
         self.receiver.broadcast_control(Control.CHECKPOINT)
         rollout = self.gather_rollout_states()
         followers = self.gather_follower_states()
         leader_rank = f"rank{self.topo.world_rank}"
         tree = {
-            **self.policy.state_tree(),
+            **nest(self.policy.state_sources()),
             "rng": {
                 leader_rank: rng_state(),
                 **followers,
@@ -335,8 +349,12 @@ class TrainerLeader:
             states[f"rank{self.topo.leader + follower}"] = decode_rank_state(buf)[1]
         return states
 
-    def restore(self, path: Path, tree: dict, meta: dict) -> None:
-        self.policy.restore(tree, str(path))
+    def restore(self, path: Path) -> None:
+        with CheckpointReader(path) as reader:
+            self.policy.load_state(reader, str(path))
+            meta = reader.meta
+            self.queue.extend(reader.get("queue") or [])
+            set_rng_state(reader.get("rng", f"rank{self.topo.world_rank}"))
         self.step, self.version = meta["step"], meta["param_version"]
         self.samples_trained, self.samples_dropped = (
             meta["samples_trained"],
@@ -344,9 +362,7 @@ class TrainerLeader:
         )
         self.elapsed_before_s, self.idle_s = meta["elapsed_s"], meta["idle_s"]
         self.credits.trained = meta["groups_trained"]
-        self.queue.extend(tree["queue"])
         self.credits.queued = len(self.queue)
-        set_rng_state(tree["rng"][f"rank{self.topo.world_rank}"])
         # Steps after the checkpoint are trained again: forget what the killed run logged of them.
         runlog.truncate_to_step(self.run_dir, self.step)
         (self.run_dir / PREEMPTED).unlink(missing_ok=True)
@@ -395,32 +411,48 @@ def run_follower(cfg: Config, topo: Topology, policy: Policy, timeline: Timeline
         if meta["stop"]:
             timeline.close()
             return
+        if meta["sync"]:  # the leader broadcasts; this rank gives its shards of each tensor
+            for _ in policy.named_weights():
+                pass
+            continue
         if meta["checkpoint"]:
             state = encode_rank_state({})
             req = topo.local.Isend([state, MPI.BYTE], dest=0, tag=TAG_FOLLOWER_STATE)
             poll_until(
                 req.Test, cfg.timeouts.rank_wait_s, "the trainer leader to take this rank's state"
             )
+            for _, gather in policy.state_sources():  # as the leader writes the file
+                gather()
             continue
         train_start = time.time()
-        ppo_update(policy, to_tensors(shard, topo.device), topo.trainer_group, topo.train_ranks)
+        ppo_update(policy, to_tensors(shard, topo.device))
         timeline.record("train", train_start, time.time(), step=meta["step"])
 
 
-def run_trainer(
-    cfg: Config, topo: Topology, run_dir: Path, checkpoint: tuple | None = None
-) -> None:
-    """``checkpoint``: (path, tree, meta) to resume from, or None for a fresh start."""
+def nest(sources: list[tuple[tuple, object]]) -> dict:
+    """A tree from (path, leaf) pairs, keeping their order (the checkpoint writes leaves in
+    the tree's order, which is the order the followers gather them in)."""
+    tree: dict = {}
+    for path, leaf in sources:
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = leaf
+    return tree
+
+
+def run_trainer(cfg: Config, topo: Topology, run_dir: Path, checkpoint: Path | None = None) -> None:
+    """``checkpoint``: the checkpoint file to resume from, or None for a fresh start."""
     torch.set_num_threads(cfg.actor.torch_threads)
     torch.manual_seed(cfg.trainer.seed)
-    policy = Policy(cfg, topo.device)
+    policy = Policy(cfg, topo.device, topo.trainer_group)
     if topo.is_leader:
         TrainerLeader(cfg, topo, run_dir, policy, checkpoint).run()
         return
     if checkpoint is not None:
-        path, tree, _ = checkpoint
-        policy.restore(tree, str(path))
-        own = tree["rng"].get(f"rank{topo.world_rank}")
+        with CheckpointReader(checkpoint) as reader:
+            policy.load_state(reader, str(checkpoint))
+            own = reader.get("rng", f"rank{topo.world_rank}")
         if own is not None:  # absent when resuming with more trainer ranks than before
             set_rng_state(own)
     run_follower(cfg, topo, policy, Timeline(run_dir, topo.world_rank, "trainer"))

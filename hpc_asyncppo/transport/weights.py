@@ -6,18 +6,26 @@ broadcast as JSON bytes, then each bucket. Tensors are packed as raw bytes, so e
 CPU and NCCL when CUDA is present (same code: only the device of the buffers changes). When
 the group cannot use NCCL (ranks sharing a GPU), buckets travel through host memory over
 gloo and the receiver copies them to its device.
+
+The sender streams: it takes the tensors one at a time (a sharded trainer gathers each
+from its shards just then), copies each into the current bucket and broadcasts a bucket as
+soon as it is full, so it holds one bucket and one tensor beyond the model's own shards.
+Every tensor starts at a multiple of ``ALIGN`` bytes, so that the receiver's views of any
+dtype are aligned whatever the order and lengths of the tensors before it.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 _DTYPES = {str(dt): dt for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+ALIGN = 16  # bytes: every tensor's offset in its bucket is a multiple of this
 
 
 @dataclass(frozen=True)
@@ -30,15 +38,28 @@ class TensorSlot:
     nbytes: int
 
 
-def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[TensorSlot]:
-    """Assign tensors, in order, to buckets of at most ``bucket_bytes`` (a larger tensor gets its own)."""
+WeightSpec = tuple[str, tuple[int, ...], torch.dtype]  # name, shape, dtype
+
+
+def specs_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[WeightSpec]:
+    return [(name, tuple(t.shape), t.dtype) for name, t in named]
+
+
+def plan_buckets(
+    named: list[tuple[str, torch.Tensor]] | list[WeightSpec], bucket_bytes: int
+) -> list[TensorSlot]:
+    """Assign tensors (or their specs), in order, to buckets of at most ``bucket_bytes``
+    (a larger tensor gets its own), each at an ``ALIGN``-byte offset."""
     slots, bucket, used = [], 0, 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
+    for item in named:
+        name, shape, dtype = (
+            item if len(item) == 3 else (item[0], tuple(item[1].shape), item[1].dtype)
+        )
+        nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
         if used and used + nbytes > bucket_bytes:
             bucket, used = bucket + 1, 0
-        slots.append(TensorSlot(name, str(tensor.dtype), tuple(tensor.shape), bucket, used, nbytes))
-        used += nbytes
+        slots.append(TensorSlot(name, str(dtype), tuple(shape), bucket, used, nbytes))
+        used = (used + nbytes + ALIGN - 1) // ALIGN * ALIGN
     return slots
 
 
@@ -52,12 +73,29 @@ def bucket_sizes(slots: list[TensorSlot]) -> list[int]:
 def pack(
     named: list[tuple[str, torch.Tensor]], slots: list[TensorSlot], device: torch.device
 ) -> list[torch.Tensor]:
-    """Copy tensors into flat uint8 buckets laid out by ``slots``."""
-    buckets = [torch.empty(size, dtype=torch.uint8, device=device) for size in bucket_sizes(slots)]
-    for (_, tensor), slot in zip(named, slots, strict=True):
+    """Copy tensors into flat uint8 buckets laid out by ``slots`` (all buckets at once)."""
+    return [bucket for _, bucket in stream_buckets(named, slots, device)]
+
+
+def stream_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], slots: list[TensorSlot], device: torch.device
+) -> Iterable[tuple[int, torch.Tensor]]:
+    """(bucket index, filled bucket) as soon as each is complete, taking the tensors one at a
+    time in ``slots``' order: one bucket exists at a time (reused when sizes allow)."""
+    sizes = bucket_sizes(slots)
+    current, buf = -1, None
+    for (name, tensor), slot in zip(named, slots, strict=True):
+        if name != slot.name:
+            raise ValueError(f"weights came out of order: got {name!r}, planned {slot.name!r}")
+        if slot.bucket != current:
+            if buf is not None:
+                yield current, buf
+            current = slot.bucket
+            buf = torch.empty(sizes[current], dtype=torch.uint8, device=device)
         raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        buckets[slot.bucket][slot.offset : slot.offset + slot.nbytes].copy_(raw)
-    return buckets
+        buf[slot.offset : slot.offset + slot.nbytes].copy_(raw)
+    if buf is not None:
+        yield current, buf
 
 
 def unpack(buckets: list[torch.Tensor], slots: list[TensorSlot]) -> dict[str, torch.Tensor]:
@@ -94,17 +132,37 @@ class WeightBroadcaster:
         self.group, self.src, self.device = group, src, device
         self.bucket_bytes = bucket_mb * 2**20
 
-    def broadcast(self, version: int, named: list[tuple[str, torch.Tensor]]) -> float:
-        """Broadcast ``named`` tensors as ``version``; returns the seconds it took."""
+    def broadcast(
+        self,
+        version: int,
+        named: Iterable[tuple[str, torch.Tensor]],
+        specs: list[WeightSpec] | None = None,
+        on_tensor: Callable[[str, torch.Tensor], None] | None = None,
+    ) -> float:
+        """Broadcast ``named`` tensors as ``version``; returns the seconds it took.
+
+        ``specs`` (name, shape, dtype of each, in order) lets ``named`` be a stream that
+        produces each tensor only when it is packed; without them ``named`` is a list.
+        ``on_tensor`` sees every tensor as it is packed (e.g. to digest it)."""
         start = time.monotonic()
-        slots = plan_buckets(named, self.bucket_bytes)
+        if specs is None:
+            named = list(named)
+            specs = specs_of(named)
+        slots = plan_buckets(specs, self.bucket_bytes)
         header = torch.frombuffer(bytearray(encode_header(version, slots)), dtype=torch.uint8).to(
             self.device
         )
         length = torch.tensor([header.numel()], dtype=torch.int64, device=self.device)
         dist.broadcast(length, src=self.src, group=self.group)
         dist.broadcast(header, src=self.src, group=self.group)
-        for bucket in pack(named, slots, self.device):
+
+        def watched() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in named:
+                if on_tensor is not None:
+                    on_tensor(name, tensor)
+                yield name, tensor
+
+        for _, bucket in stream_buckets(watched(), slots, self.device):
             dist.broadcast(bucket, src=self.src, group=self.group)
         return time.monotonic() - start
 

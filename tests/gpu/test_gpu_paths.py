@@ -149,17 +149,19 @@ def test_checkpoint_of_a_gpu_model_restores_exactly(tmp_path: Path, tiny_model_d
     cfg = dataclasses.replace(
         Config(), model=ModelConfig(path=str(tiny_model_dir), dtype="bfloat16")
     )
-    policy = Policy(cfg, cuda)
-    opt = torch.optim.AdamW(policy.model.parameters(), lr=1e-3)
-    loss = sum(p.float().square().sum() for p in policy.model.parameters())
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.bfloat16).to(cuda)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss = sum(p.float().square().sum() for p in model.parameters())
     loss.backward()
     opt.step()
     torch.cuda.manual_seed(11)
-    tree = {"model": policy.model.state_dict(), "optim": opt.state_dict(), "rng": rng_state()}
+    tree = {"model": model.state_dict(), "optim": opt.state_dict(), "rng": rng_state()}
     save_checkpoint(tmp_path / "ck.h5", tree, {"step": 1})
     got, meta = load_checkpoint(tmp_path / "ck.h5")
     assert meta["step"] == 1
-    for name, t in policy.model.state_dict().items():
+    for name, t in model.state_dict().items():
         assert got["model"][name].dtype == t.dtype and torch.equal(got["model"][name], t.cpu()), (
             name
         )

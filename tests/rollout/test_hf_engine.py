@@ -64,7 +64,7 @@ def test_loaded_weights_change_the_engine(tiny_model_dir):
     _, engine, policy = engine_and_policy(tiny_model_dir)
     with torch.no_grad():
         for p in policy.model.parameters():
-            p.add_(0.5)
+            p.to_local().add_(0.5)  # the policy's own (one-rank) shard
     engine.load_weights({n: t.clone() for n, t in policy.named_weights()})
     for (name, mine), (_, theirs) in zip(
         engine.named_parameters(), policy.named_weights(), strict=True

@@ -86,8 +86,9 @@ def perturbed(policy: Policy, seed: int, scale: float = 0.2) -> dict[str, torch.
     """Change the policy's weights in place (a stand-in for a trainer step); return them."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in policy.model.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=gen))
+        for p in policy.model.parameters():  # the policy's own (one-rank) shards
+            local = p.to_local()
+            local.add_(scale * torch.randn(local.shape, generator=gen))
     return {n: t.clone() for n, t in policy.named_weights()}
 
 

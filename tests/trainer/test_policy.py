@@ -1,83 +1,221 @@
-"""The PPO update on a real tiny model: micro-batching, restore, and learning signal."""
+"""The sharded PPO update on a real tiny Llama: an update that does not depend on how the
+batch is split over trainer ranks (real gloo processes) and micro-batches, restore, and the
+learning signal."""
 
-import copy
+from __future__ import annotations
+
 import dataclasses
+import os
+import socket
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from hpc_asyncppo.config import ActorConfig, Config, ModelConfig
-from hpc_asyncppo.trainer.batch import to_tensors
-from hpc_asyncppo.trainer.policy import Policy, ppo_update
+from hpc_asyncppo.checkpoint.store import TreeReader
+from hpc_asyncppo.config import Config
+from hpc_asyncppo.trainer.batch import shard_rows, to_tensors
+from hpc_asyncppo.trainer.policy import (
+    Policy,
+    accumulate_gradients,
+    gather_full,
+    mini_batch_plans,
+    ppo_update,
+    reference_quantities,
+)
+from hpc_asyncppo.trainer.trainer import nest
 
 CPU = torch.device("cpu")
 
 
-def make_batch(rows=8, prompt=3, length=5, seed=0):
+def make_batch(rows: int = 16, prompt: int = 4, length: int = 6, seed: int = 0) -> dict:
+    """Rows with prompts of 1..prompt tokens (left-padded) and responses of 1..length tokens."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, length + 1, rows)
-    return to_tensors(
-        {
-            "prompt_ids": rng.integers(4, 15, (rows, prompt)).astype(np.int32),
-            "prompt_mask": np.ones((rows, prompt), dtype=np.int8),
-            "response_ids": rng.integers(4, 15, (rows, length)).astype(np.int32),
-            "response_mask": (np.arange(length)[None] < lengths[:, None]).astype(np.int8),
-            "rollout_log_probs": -rng.random((rows, length)).astype(np.float32),
-            "rewards": rng.random(rows).astype(np.float32),
-            "advantages": rng.normal(size=rows).astype(np.float32),
-        },
-        CPU,
-    )
+    prompt_lengths = rng.integers(1, prompt + 1, rows)
+    return {
+        "prompt_ids": rng.integers(4, 15, (rows, prompt)).astype(np.int32),
+        "prompt_mask": (np.arange(prompt)[None] >= prompt - prompt_lengths[:, None]).astype(
+            np.int8
+        ),
+        "response_ids": rng.integers(4, 15, (rows, length)).astype(np.int32),
+        "response_mask": (np.arange(length)[None] < lengths[:, None]).astype(np.int8),
+        "rollout_log_probs": -rng.random((rows, length)).astype(np.float32),
+        "rewards": rng.random(rows).astype(np.float32),
+        "advantages": rng.normal(size=rows).astype(np.float32),
+    }
 
 
-def policy(model_dir, **actor):
+def make_cfg(model_dir: Path, **sections: dict) -> Config:
     cfg = Config()
-    cfg = dataclasses.replace(
-        cfg, model=ModelConfig(path=str(model_dir)), actor=ActorConfig(**actor)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_dir)))
+    for name, values in sections.items():
+        cfg = dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **values)})
+    return cfg
+
+
+def full_gradients(policy: Policy) -> dict[str, np.ndarray]:
+    """Every parameter's whole gradient (collective over the policy's ranks)."""
+    return {
+        name: gather_full(p.grad).numpy().copy() for name, p in policy.module.named_parameters()
+    }
+
+
+# Splits of one 16-row mini-batch: (trainer ranks, actor settings). Each must give the
+# gradients of the whole batch on one rank in one micro-batch.
+SPLITS = {
+    "whole": (1, {}),
+    "micro2": (1, {"ppo_micro_batch_size_per_gpu": 2}),
+    "dynamic": (1, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 24}),
+    "2ranks_micro4": (2, {"ppo_micro_batch_size_per_gpu": 4}),
+    "2ranks_micro3": (2, {"ppo_micro_batch_size_per_gpu": 3}),
+    "2ranks_dynamic": (2, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 20}),
+}
+MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+ALGOS = {
+    "grpo": {},
+    "gae_kl_entropy": {
+        "algorithm": {"adv_estimator": "gae"},
+        "actor": {"use_kl_loss": True, "entropy_coeff": 0.01},
+    },
+}
+
+
+def _gradient_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    torch.manual_seed(0)
-    return Policy(cfg, CPU)
-
-
-def test_micro_batches_accumulate_to_the_same_update(tiny_model_dir):
-    """seq-mean-token-mean is a mean over rows: 4 micro-batches of 2 give the full batch's step."""
+    torch.set_num_threads(1)
     batch = make_batch()
-    mode = "seq-mean-token-mean"
-    whole = policy(tiny_model_dir, loss_agg_mode=mode, grad_clip=0)
-    micro = policy(tiny_model_dir, loss_agg_mode=mode, grad_clip=0, ppo_micro_batch_size_per_gpu=2)
-    stats_whole = ppo_update(whole, batch, None, 1)
-    stats_micro = ppo_update(micro, batch, None, 1)
-    for (name, a), (_, b) in zip(
-        whole.model.named_parameters(), micro.model.named_parameters(), strict=True
-    ):
-        # the accumulated gradients, left on the parameters after the step, agree
-        assert torch.allclose(a.grad, b.grad, atol=1e-7, rtol=1e-4), name
-    assert abs(stats_whole["actor/pg_loss"] - stats_micro["actor/pg_loss"]) < 1e-6
+    for split, (ranks, actor) in SPLITS.items():
+        if ranks != world:
+            continue
+        for mode in MODES:
+            for algo, sections in ALGOS.items():
+                sections = {k: dict(v) for k, v in sections.items()}
+                sections["actor"] = {**sections.get("actor", {}), **actor, "loss_agg_mode": mode}
+                policy = Policy(make_cfg(Path(model_dir), **sections), CPU)
+                mine = to_tensors(shard_rows(batch, world, 1)[rank], CPU)
+                plans = mini_batch_plans(policy, mine)
+                merged = {**mine, **reference_quantities(policy, mine, plans)}
+                stats = accumulate_gradients(policy, merged, plans[0])
+                grads = full_gradients(policy)
+                loss = policy.all_reduce(stats["actor/pg_loss"].reshape(1).cpu())
+                if rank == 0:
+                    grads["pg_loss"] = loss.numpy()
+                    np.savez(Path(out) / f"{split}-{mode}-{algo}.npz", **grads)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def split_gradients(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("grads")
+    for world in (1, 2):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        mp.start_processes(
+            _gradient_worker,
+            args=(world, free_port(), str(tiny_model_dir), str(out)),
+            nprocs=world,
+            start_method="spawn",
+        )
+    return out
+
+
+@pytest.mark.parametrize("algo", list(ALGOS))
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("split", [s for s in SPLITS if s != "whole"])
+def test_gradients_do_not_depend_on_the_split(split_gradients, split, mode, algo):
+    whole = np.load(split_gradients / f"whole-{mode}-{algo}.npz")
+    other = np.load(split_gradients / f"{split}-{mode}-{algo}.npz")
+    assert set(whole.files) == set(other.files)
+    for name in whole.files:
+        a, b = whole[name], other[name]
+        scale = max(np.abs(a).max(), 1e-6 if name != "pg_loss" else 1.0)
+        assert np.abs(a - b).max() <= 1e-5 * scale, f"{split} {mode} {algo}: {name}"
+
+
+def test_a_per_micro_batch_token_mean_would_have_been_caught(split_gradients):
+    """The split test has teeth: token-mean and seq-mean-token-mean differ on this batch (rows
+    of unequal lengths), so a per-micro-batch mean (the old bug) could not pass it."""
+    a = np.load(split_gradients / "whole-token-mean-grpo.npz")
+    b = np.load(split_gradients / "whole-seq-mean-token-mean-grpo.npz")
+    name = "lm.model.layers.0.mlp.down_proj.weight"
+    assert np.abs(a[name] - b[name]).max() > 1e-3 * np.abs(a[name]).max()
+
+
+def one_rank_policy(model_dir: Path, **sections: dict) -> Policy:
+    torch.manual_seed(0)
+    return Policy(make_cfg(model_dir, **sections), CPU)
 
 
 def test_positive_advantage_raises_the_log_prob_of_its_tokens(tiny_model_dir):
-    batch = make_batch(rows=4)
+    batch = to_tensors(make_batch(rows=4), CPU)
     batch["advantages"] = torch.tensor([1.0, 1.0, -1.0, -1.0])
-    p = policy(tiny_model_dir, lr=1e-2)
+    p = one_rank_policy(tiny_model_dir, actor={"lr": 1e-2})
     with torch.no_grad():
-        before, _, _ = p.forward(p.model, batch)
-    ppo_update(p, batch, None, 1)
+        before, _, _ = p.forward(batch)
+    ppo_update(p, batch)
     with torch.no_grad():
-        after, _, _ = p.forward(p.model, batch)
+        after, _, _ = p.forward(batch)
     mask = batch["response_mask"].bool()
     change = [((after - before)[i][mask[i]]).mean().item() for i in range(4)]
     assert change[0] > 0 and change[1] > 0 and change[2] < 0 and change[3] < 0
 
 
-def test_restore_reproduces_the_next_step_exactly(tiny_model_dir):
-    a = policy(tiny_model_dir)
-    ppo_update(a, make_batch(seed=1), None, 1)
-    tree = copy.deepcopy(a.state_tree())  # a checkpoint holds copies, not the live tensors
-    b = policy(tiny_model_dir)
-    b.restore(tree, "memory")
-    ppo_update(a, make_batch(seed=2), None, 1)
-    ppo_update(b, make_batch(seed=2), None, 1)
+def gathered_state(policy: Policy) -> dict:
+    """What a checkpoint writes, as an in-memory tree."""
+    return nest([(path, source()) for path, source in policy.state_sources()])
+
+
+def test_restore_reproduces_the_next_steps_exactly(tiny_model_dir):
+    sections = {"actor": {"lr_warmup_steps": 3, "lr_scheduler": "cosine"}}
+    a = one_rank_policy(tiny_model_dir, **sections)
+    ppo_update(a, to_tensors(make_batch(seed=1), CPU))
+    tree = gathered_state(a)
+    b = one_rank_policy(tiny_model_dir, **sections)
+    b.load_state(TreeReader(tree), "memory")
+    assert b.schedule.updates == a.schedule.updates == 1
+    for seed in (2, 3):
+        sa = ppo_update(a, to_tensors(make_batch(seed=seed), CPU))
+        sb = ppo_update(b, to_tensors(make_batch(seed=seed), CPU))
+        assert sa == sb
     for (name, x), (_, y) in zip(
-        a.model.named_parameters(), b.model.named_parameters(), strict=True
+        a.module.named_parameters(), b.module.named_parameters(), strict=True
     ):
-        assert torch.equal(x, y), name
+        assert torch.equal(gather_full(x), gather_full(y)), name
+
+
+def test_bf16_compute_keeps_fp32_master_weights_that_take_small_updates(tiny_model_dir):
+    """At lr 1e-6 a bf16 weight would round most updates away; the fp32 master copy keeps them."""
+    p = one_rank_policy(tiny_model_dir, model={"dtype": "bfloat16"}, actor={"lr": 1e-6})
+    start = {n: gather_full(w).clone() for n, w in p.model.named_parameters()}
+    assert all(t.dtype == torch.float32 for t in start.values())
+    for seed in range(3):
+        ppo_update(p, to_tensors(make_batch(seed=seed), CPU))
+    matrices = [n for n, t in start.items() if t.dim() == 2]
+    changed = [
+        (gather_full(dict(p.model.named_parameters())[n]) != start[n]).float().mean().item()
+        for n in matrices
+    ]
+    assert np.mean(changed) > 0.5, changed
+    weights = dict(p.named_weights())
+    assert all(t.dtype == torch.bfloat16 for t in weights.values())  # what rollout ranks get
+
+
+def test_state_bytes_count_weights_gradients_and_adam_moments(tiny_model_dir):
+    p = one_rank_policy(tiny_model_dir)
+    params = sum(t.numel() for t in p.module.parameters())
+    assert p.state_bytes() == 4 * params  # before the first step: weights only
+    ppo_update(p, to_tensors(make_batch(), CPU))
+    # fp32 weights + grads + exp_avg + exp_avg_sq, plus one scalar "step" per tensor
+    steps = len(list(p.module.parameters())) * 4
+    assert p.state_bytes() == 16 * params + steps

@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hpc_asyncppo.transport.weights import (
+    ALIGN,
     WeightBroadcaster,
     WeightReceiver,
     bucket_sizes,
@@ -15,6 +16,7 @@ from hpc_asyncppo.transport.weights import (
     encode_header,
     pack,
     plan_buckets,
+    specs_of,
     unpack,
 )
 
@@ -27,6 +29,9 @@ def named_tensors() -> list[tuple[str, torch.Tensor]]:
         ("layer.half", torch.randn(7, generator=g).to(torch.float16)),
         ("head.weight", torch.randn(4, 10, generator=g)),
         ("scalar", torch.tensor(3.5)),
+        ("odd.bf16", torch.randn(3, generator=g).to(torch.bfloat16)),  # 6 bytes
+        ("after_odd", torch.randn(5, generator=g)),  # a float32 view right behind it
+        ("empty", torch.zeros(0, 4)),
     ]
 
 
@@ -38,8 +43,25 @@ def test_buckets_respect_the_size_limit_and_keep_order():
     # a 160-byte tensor gets a bucket of its own; no bucket with two tensors exceeds the limit
     for b, size in enumerate(sizes):
         members = [s for s in slots if s.bucket == b]
-        assert size == sum(s.nbytes for s in members)
+        assert size == members[-1].offset + members[-1].nbytes
         assert len(members) == 1 or size <= 100
+        for s, t in zip(members, members[1:], strict=False):
+            assert s.offset + s.nbytes <= t.offset  # no overlap
+    assert all(s.offset % ALIGN == 0 for s in slots)
+
+
+def test_any_order_and_odd_lengths_round_trip_bit_exactly():
+    """Every dtype, tensors of odd byte lengths before wider ones, in several orders."""
+    named = named_tensors()
+    for seed in range(5):
+        order = torch.randperm(len(named), generator=torch.Generator().manual_seed(seed))
+        shuffled = [named[i] for i in order.tolist()]
+        for bucket_bytes in (8, 64, 1 << 20):
+            slots = plan_buckets(specs_of(shuffled), bucket_bytes)
+            out = unpack(pack(shuffled, slots, torch.device("cpu")), slots)
+            for name, tensor in shuffled:
+                assert out[name].dtype == tensor.dtype and out[name].shape == tensor.shape
+                assert torch.equal(out[name], tensor), (seed, bucket_bytes, name)
 
 
 def test_pack_unpack_is_bit_exact_for_every_dtype():
@@ -85,16 +107,16 @@ def _broadcast_worker(rank: int, world: int, port: int, bucket_mb: int, queue) -
     named = named_tensors()
     if rank == 0:
         WeightBroadcaster(group, 0, bucket_mb, torch.device("cpu")).broadcast(5, named)
+        # streamed: each tensor is made only when its turn comes, as a sharded trainer does
         WeightBroadcaster(group, 0, bucket_mb, torch.device("cpu")).broadcast(
-            6, [(n, t * 2) for n, t in named]
+            6, ((n, t * 2) for n, t in named), specs=specs_of(named)
         )
     else:
         receiver = WeightReceiver(group, 0, torch.device("cpu"))
         for expected_version, factor in ((5, 1), (6, 2)):
             version, tensors = receiver.receive()
             ok = version == expected_version and all(
-                torch.equal(tensors[n].float(), (t * factor).float())
-                and tensors[n].dtype == t.dtype
+                torch.equal(tensors[n], t * factor) and tensors[n].dtype == t.dtype
                 for n, t in named
             )
             queue.put((rank, version, ok))
