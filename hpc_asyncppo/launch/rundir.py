@@ -124,9 +124,11 @@ def drop_overlong_prompts(cfg: Config, task: Task, run_dir: Path) -> int:
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a broken folder
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ConfigError(
-            f"model.path={cfg.model.path!r}: cannot load its tokenizer ({reason})"
+            f"model.path={cfg.model.path!r}: AutoTokenizer cannot load its tokenizer "
+            f"({type(exc).__name__}: {first[:200]}); the folder needs the model's tokenizer "
+            "files (tokenizer.json, tokenizer_config.json)"
         ) from None
     prompts = task.prompts()
     overlong = find_overlong(prompts, tokenizer, cfg.data.max_prompt_length)
