@@ -10,6 +10,9 @@
   audit trail for staleness bounds and exactly-once accounting.
 - ``weights/rank{i}.jsonl`` (with ``trainer.record_weight_digests``): a digest of each
   rank's weights at every sync, so tests can check every rollout rank holds the trainer's.
+- ``sent/rank{i}.jsonl`` (with ``rollout.record_sent_groups``): one line per group a rollout
+  rank sent: its uid prefix and the weights version it was generated under, written by
+  the rollout rank itself: the record tests check the trainer's staleness against.
 """
 
 from __future__ import annotations
@@ -132,6 +135,10 @@ def record_weight_digest(run_dir: Path, rank: int, version: int, digest: str) ->
     writer = JsonlWriter(run_dir / "weights" / f"rank{rank}.jsonl")
     writer.write([{"version": version, "digest": digest}])
     writer.close()
+
+
+def sent_groups_writer(run_dir: Path, rank: int) -> JsonlWriter:
+    return JsonlWriter(run_dir / "sent" / f"rank{rank}.jsonl")
 
 
 def truncate_to_step(run_dir: Path, step: int) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from hpc_asyncppo.launch.rundir import CONFIG, read_rank_info
+from hpc_asyncppo.launch.rundir import CONFIG, error_line, read_rank_info
 from hpc_asyncppo.runlog import METRICS, read_jsonl
 from hpc_asyncppo.timeline import TIMELINE
 
@@ -36,7 +36,7 @@ class Checkpoint:
 @dataclass
 class RankError:
     rank: int
-    line: str  # the first line of errors/rank{i}.txt
+    line: str  # the message of errors/rank{i}.txt on one line (launch.rundir.error_line)
     current: bool  # False: written before this rank's latest (re)start, by an earlier attempt
 
 
@@ -106,7 +106,7 @@ def rank_error_list(run_dir: Path, ranks: list[dict]) -> list[RankError]:
         rank = int(path.stem[4:])
         info = started.get(rank)
         current = info is None or info["state"] == "failed" or path.stat().st_mtime >= info["time"]
-        errors.append(RankError(rank, text.splitlines()[0], current))
+        errors.append(RankError(rank, error_line(text), current))
     return errors
 
 

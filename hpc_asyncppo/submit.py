@@ -16,16 +16,36 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import NoReturn
 
-from hpc_asyncppo.config import ConfigError, load_config, to_yaml
-from hpc_asyncppo.launch.rundir import CONFIG, default_run_dir, prepare_run_dir
+from hpc_asyncppo.config import (
+    Config,
+    ConfigError,
+    check_resume_compatible,
+    config_warnings,
+    load_config,
+    to_yaml,
+)
+from hpc_asyncppo.launch.rundir import (
+    CONFIG,
+    RunDirError,
+    default_run_dir,
+    prepare_run_dir,
+)
 from hpc_asyncppo.launch.slurm import cli as slurm_cli
 
 LAUNCH = "launch.json"  # RUN_DIR/launch.json: where and with how many ranks the run was started
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (not usage + error) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m hpc_asyncppo.submit",
         description="Fully asynchronous PPO/GRPO training: rollout ranks and trainer ranks, MPI between them.",
     )
@@ -67,11 +87,23 @@ def local_rank_counts(args: argparse.Namespace) -> tuple[int, int]:
     """--rollout-ranks/--train-ranks, else the resumed run's counts, else 1 and 1."""
     previous = {}
     if args.resume is not None and (args.resume / LAUNCH).is_file():
-        previous = json.loads((args.resume / LAUNCH).read_text())
-    return (
-        args.rollout_ranks or previous.get("rollout_ranks", 1),
-        args.train_ranks or previous.get("train_ranks", 1),
-    )
+        try:
+            previous = json.loads((args.resume / LAUNCH).read_text())
+        except json.JSONDecodeError:
+            raise ConfigError(
+                f"--resume {args.resume}: {LAUNCH} is not valid JSON; give --rollout-ranks and "
+                "--train-ranks"
+            ) from None
+    counts = []
+    for flag, given, key in (
+        ("--rollout-ranks", args.rollout_ranks, "rollout_ranks"),
+        ("--train-ranks", args.train_ranks, "train_ranks"),
+    ):
+        count = previous.get(key, 1) if given is None else given  # not `or`: 0 is an error
+        if count < 1:
+            raise ConfigError(f"{flag} {count}: a run needs at least 1")
+        counts.append(count)
+    return counts[0], counts[1]
 
 
 def base_config(args: argparse.Namespace) -> str | Path | None:
@@ -82,6 +114,8 @@ def base_config(args: argparse.Namespace) -> str | Path | None:
         raise ConfigError(
             "--resume RUN_DIR takes the run's own config.yaml: drop --config and --run-dir"
         )
+    if not args.resume.is_dir():
+        raise ConfigError(f"--resume {args.resume}: no such directory")
     if not (args.resume / CONFIG).is_file():
         raise ConfigError(
             f"--resume {args.resume}: no {CONFIG} there, so it is not a run directory"
@@ -107,45 +141,74 @@ def report_resume_point(run_dir: Path) -> None:
         print(f"no checkpoint in {run_dir}: starting it over", flush=True)
 
 
+def write_atomically(files: dict[Path, str]) -> None:
+    """Write every file under a temporary name first, then rename them all: a full disk
+    leaves the old files as they were."""
+    tmps = {path: path.with_name(f".{path.name}.tmp") for path in files}
+    try:
+        for path, text in files.items():
+            tmps[path].write_text(text)
+    except OSError:
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
+        raise
+    for path, tmp in tmps.items():
+        tmp.replace(path)
+
+
+def prepare(args: argparse.Namespace) -> tuple[Config, Path, int, int] | int:
+    """Config, run directory and rank counts, every check made and the run directory
+    written; or the exit code of a dry run. Raises on bad input, having written nothing."""
+    # A flag is a shortcut for a config key; an explicit key=value wins over it.
+    flags = slurm_cli.flag_overrides(args) if args.cluster == "slurm" else []
+    overrides = flags + list(args.overrides)
+    base = base_config(args)
+    cfg = load_config(base, overrides)
+    if args.cluster == "local":
+        rollout_ranks, train_ranks = local_rank_counts(args)
+    else:
+        rollout_ranks, train_ranks = slurm_cli.rank_counts(cfg)
+    cfg = load_config(base, overrides, rollout_ranks, train_ranks)
+    if args.resume is not None:
+        check_resume_compatible(load_config(base), cfg)
+    for line in config_warnings(cfg):
+        print(f"warning: {line}", file=sys.stderr)
+    if args.cluster == "slurm":
+        # partitions, sizes, sbatch: checked before anything is written
+        slurm_cli.check_submittable(cfg, args)
+    root = cfg.slurm.run_root if args.cluster == "slurm" else "runs"
+    run_dir = (args.resume or args.run_dir or default_run_dir(cfg, root)).resolve()
+    if getattr(args, "dry_run", False):
+        from hpc_asyncppo.launch.slurm.submit import submit_slurm
+
+        return submit_slurm(cfg, run_dir, args)  # prints the script; writes nothing
+    launch = {"cluster": args.cluster, "rollout_ranks": rollout_ranks, "train_ranks": train_ranks}
+    if args.resume is not None:
+        report_resume_point(run_dir)
+        write_atomically(
+            {run_dir / CONFIG: to_yaml(cfg), run_dir / LAUNCH: json.dumps(launch) + "\n"}
+        )
+    else:
+        cfg = prepare_run_dir(cfg, run_dir, {LAUNCH: json.dumps(launch) + "\n"})
+    return cfg, run_dir, rollout_ranks, train_ranks
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     try:
-        # A flag is a shortcut for a config key; an explicit key=value wins over it.
-        flags = slurm_cli.flag_overrides(args) if args.cluster == "slurm" else []
-        overrides = flags + list(args.overrides)
-        base = base_config(args)
-        cfg = load_config(base, overrides)
-        if args.cluster == "local":
-            rollout_ranks, train_ranks = local_rank_counts(args)
-        else:
-            rollout_ranks, train_ranks = slurm_cli.rank_counts(cfg)
-        cfg = load_config(base, overrides, rollout_ranks, train_ranks)
-        if args.cluster == "slurm":
-            # partitions, sizes, sbatch: checked before anything is written
-            slurm_cli.check_submittable(cfg, args)
-        root = cfg.slurm.run_root if args.cluster == "slurm" else "runs"
-        run_dir = (args.resume or args.run_dir or default_run_dir(cfg, root)).resolve()
-        if getattr(args, "dry_run", False):
-            from hpc_asyncppo.launch.slurm.submit import submit_slurm
-
-            return submit_slurm(cfg, run_dir, args)  # prints the script; writes nothing
-        if args.resume is not None:
-            report_resume_point(run_dir)
-            (run_dir / CONFIG).write_text(to_yaml(cfg))
-        else:
-            cfg = prepare_run_dir(cfg, run_dir)
-        launch = {
-            "cluster": args.cluster,
-            "rollout_ranks": rollout_ranks,
-            "train_ranks": train_ranks,
-        }
-        (run_dir / LAUNCH).write_text(json.dumps(launch) + "\n")
-    except (ConfigError, FileExistsError, ValueError) as exc:
+        prepared = prepare(args)
+    except (ConfigError, FileExistsError, ValueError) as exc:  # the input is wrong
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (RunDirError, OSError) as exc:  # the input is fine, the filesystem is not
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if isinstance(prepared, int):
+        return prepared
+    cfg, run_dir, rollout_ranks, train_ranks = prepared
     print(f"run directory: {run_dir}", flush=True)
     if args.cluster == "local":
         from hpc_asyncppo.launch.local import run_local

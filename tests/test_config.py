@@ -131,3 +131,53 @@ def test_engine_specific_settings_are_checked(overrides, expected):
             "async_training.partial_rollout=true",
         ]
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            [
+                "rollout.engine=vllm",
+                "model.tiny.num_heads=2",
+                "rollout.top_k=5",
+                "async_training.use_rollout_log_probs=true",
+            ],
+            "truncated distribution",
+        ),  # fmt: skip
+        (["async_training.use_rollout_log_probs=true", "algorithm.rollout_is=sequence"], "all 1"),
+        (
+            [
+                "rollout.engine=vllm",
+                "model.tiny.num_heads=2",
+                "rollout.tensor_parallel_size=2",
+                "slurm.rollout.gpus_per_node=4",
+            ],
+            "each rollout rank has 1 GPU",
+        ),  # fmt: skip
+    ],
+)
+def test_combinations_that_cannot_be_right_are_refused(overrides, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(overrides=overrides)
+
+
+def test_combinations_that_can_be_right_load_with_a_warning():
+    from hpc_asyncppo.config import config_warnings
+
+    vllm = ["rollout.engine=vllm", "model.tiny.num_heads=2"]
+    cfg = load_config(overrides=[*vllm, "rollout.top_p=0.9"])  # rollout log-probs unused
+    assert [w for w in config_warnings(cfg) if "truncated" in w]
+    # two GPUs per rank for TP 2: fine
+    load_config(overrides=[*vllm, "rollout.tensor_parallel_size=2",
+                           "slurm.rollout.gpus_per_node=4", "slurm.rollout.ntasks_per_node=2"])  # fmt: skip
+    assert config_warnings(load_config()) == []
+
+
+def test_resume_keeps_what_the_checkpoint_depends_on():
+    from hpc_asyncppo.config import check_resume_compatible
+
+    before = load_config()
+    check_resume_compatible(before, load_config(overrides=["trainer.total_steps=600"]))
+    with pytest.raises(ConfigError, match=r"--resume cannot change rollout.n \(the run has 8"):
+        check_resume_compatible(before, load_config(overrides=["rollout.n=4"]))

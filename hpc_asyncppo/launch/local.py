@@ -135,7 +135,8 @@ def run_local(cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int) 
     if proc.returncode == 0:
         return 0
     print(
-        f"error: the job failed (mpirun exit code {proc.returncode}); log: {log_path}",
+        f"error: the job failed (mpirun exit code {proc.returncode}); log: {log_path}; "
+        f"once the cause below is fixed: python -m hpc_asyncppo.submit --cluster local --resume {run_dir}",
         file=sys.stderr,
     )
     for line in explain_failure(run_dir, rollout_ranks, log_path.read_text()):

@@ -2,6 +2,7 @@
 
 RUN_DIR/config.yaml        the resolved config (the ranks read only this)
 RUN_DIR/model/             the tiny default model, when model.path was empty
+RUN_DIR/overlong_prompts.json  prompts left out for exceeding data.max_prompt_length (if any)
 RUN_DIR/ranks/rank{i}.json where each rank ran (host, Slurm partition, pid) and its state
 RUN_DIR/errors/rank{i}.txt one line per failed rank: what went wrong
 RUN_DIR/logs/              per-rank logs and the launcher's log
@@ -11,13 +12,21 @@ RUN_DIR/preempted          present while the run is stopped on a signal with a c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
+import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpc_asyncppo.config import Config, ConfigError, to_yaml
+
+if TYPE_CHECKING:
+    from hpc_asyncppo.tasks import Task
 
 CONFIG = "config.yaml"
 PREEMPTED = "preempted"
@@ -30,8 +39,22 @@ def default_run_dir(cfg: Config, root: str | Path = "runs") -> Path:
     )
 
 
-def prepare_run_dir(cfg: Config, run_dir: Path) -> Config:
-    """Create ``run_dir``, build the tiny model if needed, write config.yaml; returns the config as written."""
+class RunDirError(RuntimeError):
+    """The run directory cannot be written (permissions, a full disk); one line for the user."""
+
+
+def prepare_run_dir(
+    cfg: Config,
+    run_dir: Path,
+    extra_files: dict[str, str] | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> Config:
+    """Create ``run_dir``, build the tiny model if needed, drop (or refuse) overlong prompts,
+    write config.yaml and ``extra_files``; returns the config as written.
+
+    Raises ConfigError / DatasetError for bad input, RunDirError if the directory cannot be
+    written. On any error nothing is left behind: a directory this call created is removed.
+    """
     from hpc_asyncppo.tasks import load_task
 
     run_dir = run_dir.resolve()
@@ -40,10 +63,23 @@ def prepare_run_dir(cfg: Config, run_dir: Path) -> Config:
             f"{run_dir} already holds a run (config.yaml exists); choose another --run-dir"
         )
     task = load_task(cfg.data)  # fails early on a bad dataset or task, before anything is written
-    if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
-        raise ConfigError(
-            f"model.path={cfg.model.path!r} is not a Hugging Face model folder (no config.json)"
+    check_model_path(cfg.model.path)
+    with removed_on_failure(run_dir):
+        try:
+            cfg, overlong = _write_run_dir(cfg, task, run_dir, extra_files or {})
+        except OSError as exc:
+            raise RunDirError(_cannot_write(run_dir, exc)) from None
+    if overlong:
+        (warn or _warn_on_stderr)(
+            f"dropped {overlong} of {len(task.prompts())} prompts longer than "
+            f"data.max_prompt_length={cfg.data.max_prompt_length} tokens (listed in {run_dir / 'overlong_prompts.json'})"
         )
+    return cfg
+
+
+def _write_run_dir(
+    cfg: Config, task: Task, run_dir: Path, extra_files: dict[str, str]
+) -> tuple[Config, int]:
     for sub in ("ranks", "errors", "logs"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     if not cfg.model.path:
@@ -53,8 +89,77 @@ def prepare_run_dir(cfg: Config, run_dir: Path) -> Config:
             run_dir / "model", task.vocabulary(), cfg.model.tiny, cfg.trainer.seed
         )
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_dir)))
-    (run_dir / CONFIG).write_text(to_yaml(cfg))
-    return cfg
+    overlong = drop_overlong_prompts(cfg, task, run_dir)
+    for name, text in {CONFIG: to_yaml(cfg), **extra_files}.items():
+        (run_dir / name).write_text(text)
+    return cfg, overlong
+
+
+def check_model_path(path: str) -> None:
+    """ConfigError unless ``path`` is empty (the tiny model) or a Hugging Face model folder."""
+    if not path:
+        return
+    where = Path(path)
+    if not where.exists():
+        raise ConfigError(
+            f"model.path={path!r} does not exist; set it to a Hugging Face model folder"
+        )
+    if not where.is_dir():
+        raise ConfigError(
+            f"model.path={path!r} is a file; set it to the folder holding config.json"
+        )
+    if not (where / "config.json").is_file():
+        raise ConfigError(
+            f"model.path={path!r} is not a Hugging Face model folder (no config.json)"
+        )
+
+
+def drop_overlong_prompts(cfg: Config, task: Task, run_dir: Path) -> int:
+    """Measure every prompt with the model's own tokenizer (as the rollout ranks load it);
+    record the overlong ones in run_dir, or refuse them. Returns how many were dropped."""
+    from transformers import AutoTokenizer
+
+    from hpc_asyncppo.tasks.overlong import check_overlong, find_overlong, write_overlong
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a broken folder
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ConfigError(
+            f"model.path={cfg.model.path!r}: AutoTokenizer cannot load its tokenizer "
+            f"({type(exc).__name__}: {first[:200]}); the folder needs the model's tokenizer "
+            "files (tokenizer.json, tokenizer_config.json)"
+        ) from None
+    prompts = task.prompts()
+    overlong = find_overlong(prompts, tokenizer, cfg.data.max_prompt_length)
+    check_overlong(prompts, overlong, cfg.data)
+    if overlong:
+        write_overlong(run_dir, overlong, cfg.data.max_prompt_length)
+    return len(overlong)
+
+
+@contextlib.contextmanager
+def removed_on_failure(run_dir: Path) -> Iterator[None]:
+    """Remove ``run_dir`` if the block fails and the directory did not exist before it."""
+    existed = run_dir.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+def _cannot_write(run_dir: Path, exc: OSError) -> str:
+    return (
+        f"cannot write the run directory {run_dir}: {exc.strerror or exc}"
+        f"{f' ({exc.filename})' if exc.filename else ''}; choose another --run-dir "
+        "(or slurm.run_root) on a writable filesystem with free space"
+    )
+
+
+def _warn_on_stderr(line: str) -> None:
+    print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
 def write_rank_info(run_dir: Path, rank: int, world_size: int, role: str, state: str) -> None:
@@ -85,6 +190,17 @@ def write_rank_error(run_dir: Path, rank: int, message: str) -> None:
 
 
 def rank_errors(run_dir: Path) -> list[str]:
-    """One line per rank that recorded a failure, in rank order."""
+    """One line per rank that recorded a failure, in rank order: its whole message joined
+    on one line (h5py, for one, puts "No space left on device" on a later line), without
+    the traceback that follows it in the file."""
     files = sorted((run_dir / "errors").glob("rank*.txt"), key=lambda p: int(p.stem[4:]))
-    return [p.read_text().strip().splitlines()[0] for p in files if p.read_text().strip()]
+    return [line for line in (error_line(p.read_text()) for p in files) if line]
+
+
+def error_line(text: str) -> str:
+    """A recorded error's message (everything before its traceback) on one line."""
+    message = text.split(_TRACEBACK, 1)[0]
+    return " ".join(part.strip() for part in message.splitlines() if part.strip())
+
+
+_TRACEBACK = "Traceback (most recent call last):"

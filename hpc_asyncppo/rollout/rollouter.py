@@ -28,8 +28,9 @@ from hpc_asyncppo.launch.topology import Topology
 from hpc_asyncppo.rollout.cursor import PromptCursor
 from hpc_asyncppo.rollout.engine import make_engine
 from hpc_asyncppo.rollout.hf_engine import Generation
-from hpc_asyncppo.runlog import record_weight_digest, weights_digest
+from hpc_asyncppo.runlog import record_weight_digest, sent_groups_writer, weights_digest
 from hpc_asyncppo.tasks import Prompt, Task, load_task, tokenize_prompt
+from hpc_asyncppo.tasks.overlong import usable_prompts
 from hpc_asyncppo.timeline import Timeline
 from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleSender
 from hpc_asyncppo.transport.weights import WeightReceiver
@@ -42,9 +43,11 @@ class Rollouter:
         self.cfg, self.topo, self.run_dir = cfg, topo, run_dir
         self.rank = topo.world_rank
         self.task: Task = load_task(cfg.data)
-        self.prompts: list[Prompt] = list(self.task.prompts())
+        # Without the prompts the run directory lists as overlong; self.prompts[i].index is
+        # a prompt's index in the task (its uid), i its position for the cursor.
+        self.prompts: list[Prompt] = usable_prompts(self.task.prompts(), run_dir)
         self.engine = make_engine(cfg, topo.device)
-        # groups submitted to the engine: key -> (data epoch, prompt index, version at start)
+        # groups submitted to the engine: key -> (data epoch, position in prompts, version at start)
         self.in_flight: dict[tuple[int, int], tuple[int, int, int]] = {}
         self.cursor = PromptCursor(
             len(self.prompts), self.rank, topo.rollout_ranks, cfg.trainer.seed
@@ -59,6 +62,9 @@ class Rollouter:
         self.started_at = time.monotonic()
         self._encoded: dict[int, list[int]] = {}
         self.timeline = Timeline(run_dir, self.rank, "rollout")
+        self.sent_log = (
+            sent_groups_writer(run_dir, self.rank) if cfg.rollout.record_sent_groups else None
+        )
         self._waiting_since: float | None = None  # end of the last wait, if nothing ran since
         if resume is not None:  # last, so that nothing above draws from the restored RNGs
             self.cursor.epoch, self.cursor.position = resume["epoch"], resume["position"]
@@ -81,6 +87,8 @@ class Rollouter:
         with self.timeline.span("send"):
             self.sender.finish(self.cfg.timeouts.rank_wait_s)
         self.timeline.close()
+        if self.sent_log is not None:
+            self.sent_log.close()
         log.info("rollout rank %d sent %d groups", self.rank, self.sender.groups_sent)
 
     def handle_control(self) -> bool:
@@ -117,7 +125,19 @@ class Rollouter:
             return
         with self.timeline.span("send"):
             for key, gen in finished:
-                self.sender.send(self.sample_group(*self.in_flight.pop(key), gen))
+                group = self.sample_group(*self.in_flight.pop(key), gen)
+                self.sender.send(group)
+                self.record_sent(group)
+
+    def record_sent(self, group: SampleGroup) -> None:
+        if self.sent_log is not None:
+            row = {
+                "uid_prefix": group.uid(0).rsplit("-r", 1)[0],
+                "rollout_rank": self.rank,
+                "version_generated": group.param_version_start,
+                "version_at_send": self.version,
+            }
+            self.sent_log.write([row])
 
     def finish_in_flight(self) -> None:
         """Generate every group in flight to its end under the current weights, and send it."""
@@ -170,7 +190,7 @@ class Rollouter:
             ids = tokenize_prompt(self.engine.tokenizer, self.prompts[index])
             if len(ids) > self.cfg.data.max_prompt_length:
                 raise ValueError(
-                    f"prompt {index} has {len(ids)} tokens, more than data.max_prompt_length={self.cfg.data.max_prompt_length}"
+                    f"prompt {self.prompts[index].index} has {len(ids)} tokens, more than data.max_prompt_length={self.cfg.data.max_prompt_length}"
                 )
             self._encoded[index] = ids
         return self._encoded[index]
@@ -191,7 +211,7 @@ class Rollouter:
         return SampleGroup(
             seed=self.cfg.trainer.seed,
             epoch=epoch,
-            prompt_index=index,
+            prompt_index=prompt.index,
             rollout_rank=self.rank,
             param_version_start=version_start,
             param_version_end=max(version_start, int(gen.versions.max())),

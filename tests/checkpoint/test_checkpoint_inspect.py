@@ -1,19 +1,45 @@
-"""python -m hpc_asyncppo.checkpoint.inspect on a file and on a run directory."""
+"""python -m hpc_asyncppo.checkpoint.inspect on a file and on a run directory.
+
+The checkpoints are the trainer's own: one tiny real run under mpirun writes them (steps
+2 and 4), so the layout inspected is the one a run leaves, not one made up for the test.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
-from hpc_asyncppo.checkpoint.store import checkpoint_path, save_checkpoint
-from hpc_asyncppo.transport.arrays import pack_arrays
+from hpc_asyncppo.checkpoint.store import checkpoint_path, load_checkpoint
+from hpc_asyncppo.runlog import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
+# 2 prompts x 8 responses a step, a sync every 2 steps, checkpoints after steps 2 and 4
+RUN = ["trainer.total_steps=4", "actor.ppo_mini_batch_size=2", "checkpoint.save_every=2",
+       "async_training.trigger_parameter_sync_step=2"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("inspect") / "run"
+    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local",
+           "--run-dir", str(run_dir), *RUN]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return run_dir
+
+
+@pytest.fixture
+def copy_of_run(real_run: Path, tmp_path: Path) -> Path:
+    """The run's checkpoints, to damage without touching the shared run."""
+    shutil.copytree(real_run / "checkpoints", tmp_path / "checkpoints")
+    return tmp_path
 
 
 def inspect(target: Path) -> subprocess.CompletedProcess:
@@ -26,58 +52,63 @@ def inspect(target: Path) -> subprocess.CompletedProcess:
     )
 
 
-def fake_group(n: int) -> np.ndarray:
-    """An encoded sample group as far as inspect cares: a packed message with rewards (n,)."""
-    return pack_arrays({"rewards": np.zeros(n, np.float32)}, {"seed": 0})
+def leaves(tree: object) -> int:
+    """Tensors and arrays in a loaded state tree (lists of encoded groups not counted)."""
+    if isinstance(tree, dict):
+        return sum(leaves(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        if tree and all(isinstance(x, np.ndarray) and x.dtype == np.uint8 for x in tree):
+            return 0
+        return sum(leaves(v) for v in tree)
+    return int(isinstance(tree, (torch.Tensor, np.ndarray, np.generic)))
 
 
-def write_run(run_dir: Path) -> None:
-    for step in (2, 4):
-        tree = {
-            "model": {"w": torch.zeros(256, 256), "b": torch.zeros(256, dtype=torch.bfloat16)},
-            "samples": {
-                "queued": [fake_group(4) for _ in range(step)],
-                "in_flight": [fake_group(2)],
-            },
-        }
-        meta = {"step": step, "param_version": step // 2, "samples_trained": 8 * step}
-        save_checkpoint(checkpoint_path(run_dir, step), tree, meta)
-
-
-def test_inspect_a_checkpoint_file(tmp_path):
-    write_run(tmp_path)
-    proc = inspect(checkpoint_path(tmp_path, 4))
+@pytest.mark.mpi
+def test_inspect_a_checkpoint_file(real_run: Path) -> None:
+    path = checkpoint_path(real_run, 4)
+    proc = inspect(path)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
+    trained = read_jsonl(real_run / "metrics.jsonl")[-1]["samples/total"]
+    assert trained == 4 * 16
     assert "format version  1" in out and "step            4" in out
-    assert "param version   2" in out and "samples_trained=32" in out
-    assert "/samples/queued: 4 items" in out and "16 responses" in out
-    assert "/samples/in_flight: 1 items" in out
-    assert "tensors         2 (256.5 KiB)" in out and "checksums       ok" in out
+    # the sync after step 4 made version 2 (0 at the start, 1 after step 2)
+    assert "param version   2" in out and f"samples_trained={trained}" in out
+    assert "rollout_ranks=1" in out and "train_ranks=1" in out
+    tree, _ = load_checkpoint(path)
+    queued = len(tree["queue"])
+    if queued:
+        assert f"/queue: {queued} items" in out and f"{queued * 8} responses" in out
+    else:
+        assert "sample buffers  none" in out
+    assert f"tensors         {leaves(tree)} (" in out and "checksums       ok" in out
 
 
-def test_inspect_a_run_dir_lists_every_checkpoint_and_fails_on_a_bad_one(tmp_path):
-    write_run(tmp_path)
-    proc = inspect(tmp_path)
+@pytest.mark.mpi
+def test_inspect_a_run_dir_lists_every_checkpoint_and_fails_on_a_bad_one(
+    real_run: Path, copy_of_run: Path
+) -> None:
+    proc = inspect(real_run)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) == 2
-    assert lines[0].startswith("ckpt_00000004.h5  ok  step 4  param_version 2  queued 5")
-    assert lines[1].startswith("ckpt_00000002.h5  ok  step 2")
+    queued = len(load_checkpoint(checkpoint_path(real_run, 4))[0]["queue"])
+    assert lines[0].startswith(f"ckpt_00000004.h5  ok  step 4  param_version 2  queued {queued}")
+    assert lines[1].startswith("ckpt_00000002.h5  ok  step 2  param_version 1")
 
-    os.truncate(checkpoint_path(tmp_path, 4), 5000)
-    proc = inspect(tmp_path / "checkpoints")
+    os.truncate(checkpoint_path(copy_of_run, 4), 5000)
+    proc = inspect(copy_of_run / "checkpoints")
     assert proc.returncode == 1
     lines = proc.stdout.splitlines()
     assert len(lines) == 2 and lines[0].startswith("ckpt_00000004.h5  BAD  checkpoint ")
     assert lines[1].startswith("ckpt_00000002.h5  ok")
 
-    proc = inspect(checkpoint_path(tmp_path, 4))
+    proc = inspect(checkpoint_path(copy_of_run, 4))
     assert proc.returncode == 1 and proc.stdout == ""
     assert len(proc.stderr.splitlines()) == 1
-    assert str(checkpoint_path(tmp_path, 4)) in proc.stderr
+    assert str(checkpoint_path(copy_of_run, 4)) in proc.stderr
 
 
-def test_inspect_a_run_dir_without_checkpoints_fails(tmp_path):
+def test_inspect_a_run_dir_without_checkpoints_fails(tmp_path: Path) -> None:
     proc = inspect(tmp_path)
     assert proc.returncode == 1 and "no checkpoints" in proc.stderr

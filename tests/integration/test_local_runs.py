@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import signal
@@ -24,6 +23,7 @@ SMALL = [
     "actor.ppo_mini_batch_size=4",
     "async_training.trigger_parameter_sync_step=2",
     "trainer.record_weight_digests=true",
+    "rollout.record_sent_groups=true",
     "timeouts.sample_wait_s=120",
 ]
 
@@ -42,15 +42,47 @@ def submit(run_dir: Path, *args: str, timeout: float = 240) -> subprocess.Comple
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout)
 
 
-def check_audit(run_dir: Path, max_staleness: int) -> list[dict]:
+def sent_versions(run_dir: Path, partial: bool = False) -> dict[str, int]:
+    """uid prefix (seed, epoch, prompt) -> the weights version its rollout rank started the
+    group under, from the rollout ranks' own logs (not from anything the trainer wrote)."""
+    sent: dict[str, int] = {}
+    for path in sorted((run_dir / "sent").glob("rank*.jsonl")):
+        for row in read_jsonl(path):
+            assert row["uid_prefix"] not in sent, f"group {row['uid_prefix']} sent twice"
+            # without partial rollout a group finishes under the weights it started with
+            if partial:
+                assert row["version_at_send"] >= row["version_generated"], row
+            else:
+                assert row["version_at_send"] == row["version_generated"], row
+            sent[row["uid_prefix"]] = row["version_generated"]
+    assert sent, "no rollout rank recorded a sent group (rollout.record_sent_groups)"
+    return sent
+
+
+def check_audit(
+    run_dir: Path, sync_every: int, max_staleness: int, partial: bool = False
+) -> list[dict]:
+    """Every trained sample's staleness against an independent record: the version its
+    rollout rank says it generated it under, and the version the trainer must hold at
+    that step by its sync schedule (version 0 first, a new one after every ``sync_every``
+    steps). Stale-dropped samples must be exactly those beyond ``max_staleness``."""
+    sent = sent_versions(run_dir, partial)
     metrics = {row["step"]: row for row in read_jsonl(run_dir / "metrics.jsonl")}
+    for step, row in metrics.items():
+        assert row["param_version"] == (step - 1) // sync_every, row
     trained = read_jsonl(run_dir / "trained_samples.jsonl")
     uids = [row["uid"] for row in trained]
     assert len(uids) == len(set(uids)), "a sample was trained twice"
     for row in trained:
-        version_at_train = metrics[row["step"]]["param_version"]
-        assert row["staleness"] == version_at_train - row["param_version_start"]
-        assert 0 <= row["staleness"] <= max_staleness, row
+        generated = sent[row["uid"].rsplit("-r", 1)[0]]  # KeyError: trained but never sent
+        staleness = (row["step"] - 1) // sync_every - generated
+        assert row["param_version_start"] == generated, row
+        assert row["staleness"] == staleness, row
+        assert 0 <= staleness <= max_staleness, row
+    for row in read_jsonl(run_dir / "dropped_samples.jsonl"):
+        if row["reason"] == "stale":
+            generated = sent[row["uid"].rsplit("-r", 1)[0]]
+            assert (row["step"] - 1) // sync_every - generated > max_staleness, row
     return trained
 
 
@@ -80,7 +112,7 @@ def test_topology_trains_syncs_and_stays_within_staleness(tmp_path, rollout_rank
     assert metrics[-1]["samples/total"] == 6 * 32
     # versions 0..3: initial sync, then after steps 2, 4 and 6
     check_weights_match(run_dir, rollout_ranks, versions=4)
-    trained = check_audit(run_dir, max_staleness=4)
+    trained = check_audit(run_dir, sync_every=2, max_staleness=4)
     assert len(trained) == 6 * 32
     assert {row["rollout_rank"] for row in trained} == set(range(rollout_ranks))
     ranks = {
@@ -97,7 +129,7 @@ def test_sync_mode_is_on_policy(tmp_path):
     run_dir = tmp_path / "run"
     proc = submit(run_dir, "--rollout-ranks", "2", *SMALL, "async_training.mode=sync")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    trained = check_audit(run_dir, max_staleness=0)
+    trained = check_audit(run_dir, sync_every=1, max_staleness=0)
     assert {row["staleness"] for row in trained} == {0}
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["param_version"] for m in metrics] == list(range(6))  # a sync after every step
@@ -114,7 +146,7 @@ def test_max_staleness_zero_drops_and_records_stale_samples(tmp_path):
     ]
     proc = submit(run_dir, "--rollout-ranks", "2", *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    trained = check_audit(run_dir, max_staleness=0)
+    trained = check_audit(run_dir, sync_every=2, max_staleness=0)
     dropped = read_jsonl(run_dir / "dropped_samples.jsonl")
     assert dropped, "with staleness_threshold=1 some samples must outlive their version"
     assert {row["reason"] for row in dropped} <= {"stale", "run_ended"}
@@ -126,7 +158,6 @@ def test_max_staleness_zero_drops_and_records_stale_samples(tmp_path):
 
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
     run_dir = tmp_path / "run"
-    start = time.monotonic()
     proc = submit(
         run_dir,
         "--rollout-ranks",
@@ -134,8 +165,7 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
         "trainer.total_steps=200",
         "data.reward_fn=tests.integration.faults:raise_on_rank1",
     )
-    assert proc.returncode != 0
-    assert time.monotonic() - start < 120
+    assert proc.returncode != 0  # submit's own timeout (240 s) is the bound: a hang fails
     assert (
         "rank 1 (rollout" in proc.stderr
         and "injected failure in the reward function" in proc.stderr
@@ -156,13 +186,11 @@ def test_a_killed_rank_ends_the_job_within_bounded_time(tmp_path):
             assert time.monotonic() < deadline, "the run never got going"
             time.sleep(0.5)
         victim = json.loads((run_dir / "ranks" / "rank1.json").read_text())
-        killed_at = time.monotonic()
         os.kill(victim["pid"], signal.SIGKILL)
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=180)  # only a hang takes this long
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert time.monotonic() - killed_at < 60
     assert proc.returncode != 0
     assert (
         f"rank 1 (rollout, {victim['host']}, pid {victim['pid']}) died: killed by signal 9" in err
@@ -175,13 +203,10 @@ def test_a_killed_rank_ends_the_job_within_bounded_time(tmp_path):
 def test_default_job_learns(tmp_path):
     """The README's first command: the embedded default learns the synthetic task."""
     run_dir = tmp_path / "run"
-    proc = submit(run_dir, timeout=600)
+    proc = submit(run_dir, "rollout.record_sent_groups=true", timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rewards = [m["reward/mean"] for m in read_jsonl(run_dir / "metrics.jsonl")]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-20:]) / 20
     assert first < 0.2, f"a random policy scores about 1/15, got {first}"
     assert last >= 0.8, f"mean reward of the last 20 steps {last}"
-    counts = collections.Counter(
-        r["staleness"] for r in read_jsonl(run_dir / "trained_samples.jsonl")
-    )
-    assert max(counts) <= 4
+    check_audit(run_dir, sync_every=4, max_staleness=4)

@@ -58,19 +58,30 @@ def test_bf16_at_a_small_learning_rate_still_moves_the_weights(tmp_path):
 def test_sync_runs_end_equal_whatever_the_split(tmp_path):
     """Same seed, sync mode, 12 steps: 1 trainer rank, 2 ranks with micro-batches of 4, and 2
     ranks with token-budget micro-batches end with the same weights."""
-    common = [*SMALL, "async_training.mode=sync", "trainer.total_steps=12", "checkpoint.save_every=0"]
+    common = [
+        *SMALL,
+        "async_training.mode=sync",
+        "trainer.total_steps=12",
+        "checkpoint.save_every=0",
+    ]
     splits = {
         "one": ["--train-ranks", "1"],
         "two_micro4": ["--train-ranks", "2", "actor.ppo_micro_batch_size_per_gpu=4"],
-        "two_dynamic": ["--train-ranks", "2", "actor.use_dynamic_bsz=true",
-                        "actor.ppo_max_token_len_per_gpu=64"],  # fmt: skip
+        "two_dynamic": [
+            "--train-ranks",
+            "2",
+            "actor.use_dynamic_bsz=true",
+            "actor.ppo_max_token_len_per_gpu=64",
+        ],  # fmt: skip
     }
     weights = {}
     for name, flags in splits.items():
         ranks, overrides = flags[:2], flags[2:]
         submit(tmp_path / name, *ranks, *common, *overrides)
         weights[name] = final_weights(tmp_path / name, 12)
-    rewards = {n: [m["reward/mean"] for m in read_jsonl(tmp_path / n / "metrics.jsonl")] for n in splits}
+    rewards = {
+        n: [m["reward/mean"] for m in read_jsonl(tmp_path / n / "metrics.jsonl")] for n in splits
+    }
     assert rewards["one"] == rewards["two_micro4"] == rewards["two_dynamic"]  # same samples
     for name in ("two_micro4", "two_dynamic"):
         assert relative_difference(weights["one"], weights[name]) <= 1e-4, name

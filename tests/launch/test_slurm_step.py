@@ -94,14 +94,13 @@ def test_exit_status_and_stderr_of_srun_pass_through(
     assert watch.deaths == ["task 1 of its het component on node n1: Killed"]
 
 
+@pytest.mark.timeout(120)  # the command sleeps 600 s: only a wrapper that never ends it hits this
 def test_a_command_outliving_its_finished_ranks_is_ended_with_success(tmp_path: Path) -> None:
     for rank in range(3):
         write_rank(tmp_path, rank, "done")
     watch = StepWatch.from_env(tmp_path, JOB_ENV)
-    start = time.monotonic()
     rc = run_step(["sleep", "600"], watch, exit_grace_s=1.0)
     assert rc == 0
-    assert time.monotonic() - start < 20.0
 
 
 def test_a_hung_command_after_a_failure_is_killed_even_if_it_ignores_sigterm(

@@ -78,7 +78,9 @@ def check_submittable(cfg: Config, args: argparse.Namespace) -> None:
     check_options(cfg.slurm)
     if getattr(args, "dry_run", False):
         return
-    run_dir = Path(getattr(args, "run_dir", None) or cfg.slurm.run_root).resolve()
+    # A resumed run's directory gets the same checks as a new one's.
+    given = getattr(args, "resume", None) or getattr(args, "run_dir", None)
+    run_dir = Path(given or cfg.slurm.run_root).resolve()
     if any(ch.isspace() for ch in str(run_dir)):
         # The run directory goes into #SBATCH --output=..., which sbatch splits at spaces.
         raise ConfigError(f"run directory {str(run_dir)!r} must not contain spaces")

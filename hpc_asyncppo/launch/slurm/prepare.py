@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from hpc_asyncppo.config import ConfigError, load_config
-from hpc_asyncppo.launch.rundir import prepare_run_dir
+from hpc_asyncppo.launch.rundir import RunDirError, prepare_run_dir
 
 
 def main(argv: list[str]) -> int:
@@ -31,6 +31,9 @@ def main(argv: list[str]) -> int:
     except (ConfigError, FileExistsError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (RunDirError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
