@@ -82,18 +82,17 @@ def total_steps_of(run_dir: Path) -> int | None:
 
 
 def last_checkpoint(run_dir: Path) -> Checkpoint | None:
-    """The newest ``checkpoints/ckpt_*.h5`` (by the step in its name, then by time)."""
-    found = []
-    for path in (run_dir / CHECKPOINTS).glob("ckpt_*.h5"):
-        digits = re.findall(r"\d+", path.stem)
+    """The newest committed checkpoint (``checkpoints/step_*/`` with a manifest)."""
+    from hpc_asyncppo.checkpoint.protocol import list_checkpoints
+
+    for path in list_checkpoints(run_dir):
+        digits = re.findall(r"\d+", path.name)
         try:
             mtime = path.stat().st_mtime
-        except FileNotFoundError:  # replaced while we looked
+        except FileNotFoundError:  # pruned while we looked
             continue
-        found.append(Checkpoint(path, int(digits[-1]) if digits else None, mtime))
-    if not found:
-        return None
-    return max(found, key=lambda c: (c.step if c.step is not None else -1, c.mtime))
+        return Checkpoint(path, int(digits[-1]) if digits else None, mtime)
+    return None
 
 
 def rank_error_list(run_dir: Path, ranks: list[dict]) -> list[RankError]:

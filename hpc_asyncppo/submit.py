@@ -124,21 +124,26 @@ def base_config(args: argparse.Namespace) -> str | Path | None:
 
 
 def report_resume_point(run_dir: Path) -> None:
-    """Say which checkpoint the job will resume from, one line per corrupt one skipped;
-    ConfigError if there are checkpoints and none is valid (before any rank starts)."""
-    from hpc_asyncppo.checkpoint.store import latest_valid_checkpoint, list_checkpoints
+    """Say which checkpoint the job will resume from, one line per broken one skipped;
+    ConfigError if there are checkpoints and none is complete (before any rank starts).
+    Only the manifests are read (parts present, sizes): the ranks verify the data."""
+    from hpc_asyncppo.checkpoint import protocol
+    from hpc_asyncppo.checkpoint.store import CheckpointError
 
-    found = latest_valid_checkpoint(
-        run_dir, lambda line: print(f"warning: {line}", file=sys.stderr)
-    )
-    if found is not None:
-        print(f"resuming from {found}", flush=True)
-    elif list_checkpoints(run_dir):
+    found = protocol.list_checkpoints(run_dir)
+    for folder in found:
+        try:
+            protocol.check_manifest(folder)
+        except CheckpointError as exc:
+            print(f"warning: {exc}; trying an older checkpoint", file=sys.stderr)
+            continue
+        print(f"resuming from {folder}", flush=True)
+        return
+    if found:
         raise ConfigError(
             f"no valid checkpoint in {run_dir / 'checkpoints'} (see the warnings above)"
         )
-    else:
-        print(f"no checkpoint in {run_dir}: starting it over", flush=True)
+    print(f"no checkpoint in {run_dir}: starting it over", flush=True)
 
 
 def write_atomically(files: dict[Path, str]) -> None:

@@ -153,7 +153,7 @@ def _no_checkpoint_litter(ws: Workspace) -> None:
 
 def _corrupt_checkpoint(ws: Workspace) -> list[str]:
     run = ws.run_dir()
-    ws.file("made-run/checkpoints/ckpt_00000002.h5", b"not an HDF5 file" * 64)
+    ws.file("made-run/checkpoints/step_00000002/manifest.json", b"not a manifest" * 64)
     return ["--cluster", "local", "--resume", str(run)]
 
 
@@ -412,7 +412,7 @@ def test_bad_input_is_one_clear_line(name: str, workspace: Workspace) -> None:
     if name == "disk_full_at_checkpoint":  # what to do once space is freed
         assert f"--resume {workspace.tmp / 'run'}" in errors[0], err
     if name == "resume_corrupt_checkpoint":
-        assert any(x.startswith("warning: ") and "ckpt_00000002.h5" in x for x in lines), err
+        assert any(x.startswith("warning: ") and "step_00000002" in x for x in lines), err
     case.after(workspace)
 
 

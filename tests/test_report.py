@@ -204,7 +204,7 @@ def test_resumed_run_report(killed_run: Path, resumed_run: Path, capsys) -> None
     summary = check_report_agrees_with_metrics(resumed_run, capsys)
     assert summary.state == "finished" and summary.attempts == 2
     assert summary.steps == KILLED_TOTAL_STEPS
-    assert summary.checkpoint.path.name == f"ckpt_{KILLED_TOTAL_STEPS:08d}.h5"
+    assert summary.checkpoint.path.name == f"step_{KILLED_TOTAL_STEPS:08d}"
     data = report.load(resumed_run)
     assert [r["step"] for r in data.rows] == list(range(1, KILLED_TOTAL_STEPS + 1))
     # the steps up to the checkpoint it resumed from are the killed attempt's

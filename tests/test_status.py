@@ -76,11 +76,12 @@ def test_attempts_count_the_timeline_sessions(run_dir: Path) -> None:
 def test_last_checkpoint_is_the_highest_step(run_dir: Path) -> None:
     assert status.last_checkpoint(run_dir) is None
     ckpts = run_dir / "checkpoints"
-    ckpts.mkdir()
-    for name in ("ckpt_000010.h5", "ckpt_000100.h5", "ckpt_000020.h5", "ckpt_000200.h5.tmp"):
-        (ckpts / name).write_bytes(b"")
+    for step in (10, 100, 20, 200):
+        (ckpts / f"step_{step:08d}").mkdir(parents=True)
+        if step != 200:  # 200 never got its manifest: not a checkpoint
+            (ckpts / f"step_{step:08d}" / "manifest.json").write_text("{}")
     found = status.last_checkpoint(run_dir)
-    assert found.path.name == "ckpt_000100.h5" and found.step == 100
+    assert found.path.name == "step_00000100" and found.step == 100
 
 
 def test_states_from_the_ranks_records(run_dir: Path) -> None:
@@ -115,12 +116,12 @@ def test_the_screen_shows_where_the_run_stands(run_dir: Path, capsys) -> None:
     write_rank(run_dir, 0, "rollout", "running", os.getpid(), time.time())
     write_rank(run_dir, 1, "trainer", "running", os.getpid(), time.time())
     (run_dir / "errors").mkdir()
-    (run_dir / "checkpoints").mkdir()
-    (run_dir / "checkpoints" / "ckpt_000008.h5").write_bytes(b"")
+    (run_dir / "checkpoints" / "step_00000008").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_00000008" / "manifest.json").write_text("{}")
     assert status.main([str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert "running" in out and "step        12/20 (60%)  param version 3" in out
-    assert "ckpt_000008.h5 (step 8," in out
+    assert "step_00000008 (step 8," in out
     assert "128.0 samples/s" in out and "trainer 25%" in out and "1536 trained" in out
 
 

@@ -1,17 +1,12 @@
-"""Checkpoints (one HDF5 file per step, no pickle) and the trainer queue's overflow file."""
+"""Checkpoints: a folder per step of per-rank HDF5 parts committed by a manifest
+(``protocol``), each part a file of ``store`` (no pickle); and the trainer queue's overflow
+file (``overflow``)."""
 
 from hpc_asyncppo.checkpoint.overflow import SpillQueue
 from hpc_asyncppo.checkpoint.store import (
     CheckpointError,
-    CheckpointSummary,
-    check_compatible,
-    checkpoint_path,
-    describe_checkpoint,
-    latest_valid_checkpoint,
-    list_checkpoints,
+    CheckpointReader,
     load_checkpoint,
-    load_latest_checkpoint,
-    prune_checkpoints,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -20,16 +15,9 @@ from hpc_asyncppo.checkpoint.store import (
 
 __all__ = [
     "CheckpointError",
-    "CheckpointSummary",
+    "CheckpointReader",
     "SpillQueue",
-    "check_compatible",
-    "checkpoint_path",
-    "describe_checkpoint",
-    "latest_valid_checkpoint",
-    "list_checkpoints",
     "load_checkpoint",
-    "load_latest_checkpoint",
-    "prune_checkpoints",
     "rng_state",
     "save_checkpoint",
     "set_rng_state",

@@ -1,7 +1,8 @@
-"""Print what a checkpoint holds and verify its checksums.
+"""Print what a checkpoint holds and verify every byte of it.
 
-    python -m hpc_asyncppo.checkpoint.inspect RUN_DIR/checkpoints/ckpt_00000010.h5
     python -m hpc_asyncppo.checkpoint.inspect RUN_DIR      # every checkpoint, one line each
+    python -m hpc_asyncppo.checkpoint.inspect RUN_DIR/checkpoints/step_00000010   # its parts
+    python -m hpc_asyncppo.checkpoint.inspect RUN_DIR/checkpoints/step_00000010/trainer0.h5
 
 Exit status 0 when every checkpoint shown is valid, 1 otherwise (one line per error).
 """
@@ -14,12 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
+from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.checkpoint.store import (
     CHECKPOINT_DIR,
     CheckpointError,
     CheckpointSummary,
     describe_checkpoint,
-    list_checkpoints,
 )
 from hpc_asyncppo.transport.arrays import WireError, unpack_arrays
 
@@ -68,27 +69,54 @@ def report(summary: CheckpointSummary) -> str:
     return "\n".join([str(summary.path)] + [f"  {k:<15} {v}" for k, v in rows])
 
 
-def one_line(summary: CheckpointSummary) -> str:
-    queued = sum(len(items) for items in summary.buffers.values())
+def describe_folder(folder: Path) -> tuple[dict, list[CheckpointSummary]]:
+    """Verify every part of a checkpoint folder against its manifest and summarise each."""
+    manifest = protocol.verify_all(folder)
+    return manifest, [describe_checkpoint(folder / name) for name in manifest["parts"]]
+
+
+def one_line(folder: Path, manifest: dict, parts: list[CheckpointSummary]) -> str:
+    queued = sum(len(items) for p in parts for items in p.buffers.values())
+    tensors = sum(p.tensor_count for p in parts)
+    size = sum(p.file_bytes for p in parts)
     return (
-        f"{summary.path.name}  ok  step {summary.meta.get('step', '-')}  "
-        f"param_version {summary.meta.get('param_version', '-')}  queued {queued}  "
-        f"tensors {summary.tensor_count} ({human_bytes(summary.tensor_bytes)})  "
-        f"file {human_bytes(summary.file_bytes)}"
+        f"{folder.name}  ok  step {manifest.get('step', '-')}  "
+        f"param_version {manifest.get('param_version', '-')}  parts {len(parts)}  "
+        f"queued {queued}  tensors {tensors} ({human_bytes(sum(p.tensor_bytes for p in parts))})  "
+        f"files {human_bytes(size)}"
     )
 
 
+def folder_report(folder: Path, manifest: dict, parts: list[CheckpointSummary]) -> str:
+    counters = {k: v for k, v in manifest.items() if k not in (*_HEADLINE, "parts", "format")}
+    rows = [
+        ("step", manifest.get("step", "-")),
+        ("param version", manifest.get("param_version", "-")),
+        ("counters", ", ".join(f"{k}={v}" for k, v in counters.items()) or "-"),
+    ]
+    for part in parts:
+        rows.append(
+            (
+                part.path.name,
+                f"{part.tensor_count} tensors ({human_bytes(part.tensor_bytes)}), "
+                f"{'; '.join(describe_buffers(part)) or 'no sample buffers'}, "
+                f"file {human_bytes(part.file_bytes)}, checksums ok",
+            )
+        )
+    return "\n".join([str(folder)] + [f"  {k:<15} {v}" for k, v in rows])
+
+
 def inspect_run_dir(run_dir: Path) -> int:
-    paths = list_checkpoints(run_dir)
-    if not paths:
+    folders = protocol.list_checkpoints(run_dir)
+    if not folders:
         print(f"{run_dir}: no checkpoints under {run_dir / CHECKPOINT_DIR}", file=sys.stderr)
         return 1
     status = 0
-    for path in paths:
+    for folder in folders:
         try:
-            print(one_line(describe_checkpoint(path)))
+            print(one_line(folder, *describe_folder(folder)))
         except CheckpointError as exc:
-            print(f"{path.name}  BAD  {exc}")
+            print(f"{folder.name}  BAD  {exc}")
             status = 1
     return status
 
@@ -97,13 +125,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m hpc_asyncppo.checkpoint.inspect", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("path", type=Path, help="a checkpoint file, or a run directory")
+    parser.add_argument(
+        "path", type=Path, help="a run directory, a checkpoint folder, or one part file"
+    )
     args = parser.parse_args(argv)
-    if args.path.is_dir():
+    if args.path.is_dir() and not (args.path / protocol.MANIFEST).exists():
         run_dir = args.path.parent if args.path.name == CHECKPOINT_DIR else args.path
         return inspect_run_dir(run_dir)
     try:
-        print(report(describe_checkpoint(args.path)))
+        if args.path.is_dir():
+            print(folder_report(args.path, *describe_folder(args.path)))
+        else:
+            print(report(describe_checkpoint(args.path)))
     except CheckpointError as exc:
         print(exc, file=sys.stderr)
         return 1

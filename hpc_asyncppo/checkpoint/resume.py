@@ -1,61 +1,46 @@
 """Which checkpoint a starting job resumes from, agreed by every rank.
 
 A job always resumes when its run directory holds a valid checkpoint: that is how a
-requeued Slurm job (same batch script) and ``submit --resume RUN_DIR`` both continue.
-The trainer leader picks the newest checkpoint whose checksums verify (each bad one is
-reported in one line naming the file) and broadcasts its path; every rank then reads its
-own part of it from the shared filesystem (``CheckpointReader``), one value at a time: a
-rollout rank its cursor and RNG, a trainer rank the model and optimizer state it shards.
+requeued Slurm job (same batch script) and ``submit --resume RUN_DIR`` both continue. The
+ranks agree on the newest checkpoint whose parts they need are all present and verified
+(``protocol.choose_checkpoint``: each rank verifies only its own parts, in parallel); each
+role then reads its own part (``CheckpointReader``, ``protocol.ShardedReader``).
 """
 
 from __future__ import annotations
 
-import logging
-import sys
 from pathlib import Path
 
 from mpi4py import MPI
 
-from hpc_asyncppo.checkpoint.store import (
-    CheckpointError,
-    latest_valid_checkpoint,
-    list_checkpoints,
-    read_meta,
-)
-from hpc_asyncppo.launch.topology import Topology, bcast_text
-
-log = logging.getLogger(__name__)
-_NONE_VALID = "\0none-valid"
+from hpc_asyncppo.checkpoint import protocol
+from hpc_asyncppo.checkpoint.store import CheckpointError
+from hpc_asyncppo.launch.topology import ROLLOUT, Topology
 
 
-def _warn(line: str) -> None:
-    log.warning(line)
-    print(f"warning: {line}", file=sys.stderr, flush=True)
+def parts_needed(topo: Topology, manifest: dict) -> list[str]:
+    """The parts of a checkpoint this rank reads on resume."""
+    if topo.role == ROLLOUT:
+        rank = topo.world_rank
+        return [protocol.rollout_part(rank)] if rank < manifest["rollout_ranks"] else []
+    rank = topo.world_rank - topo.leader
+    old = protocol.overlapping_parts(rank, topo.train_ranks, manifest["train_ranks"])
+    names = [protocol.trainer_part(k) for k in old]
+    return names + ([protocol.LEADER_PART] if topo.is_leader else [])
 
 
 def find_resume_checkpoint(run_dir: Path, topo: Topology) -> Path | None:
-    """The checkpoint to resume from, or None for a fresh start."""
-    choice = ""
-    if topo.is_leader:
-        found = latest_valid_checkpoint(run_dir, _warn)
-        if found is not None:
-            choice = str(found)
-        elif list_checkpoints(run_dir):
-            choice = _NONE_VALID
-    choice = bcast_text(MPI.COMM_WORLD, choice, root=topo.leader)
-    if choice == _NONE_VALID:
-        count = len(list_checkpoints(run_dir))
-        raise CheckpointError(
-            f"no valid checkpoint in {run_dir / 'checkpoints'}: all {count} failed verification "
-            "(see the warnings); move them away to start over"
-        )
-    if not choice:
+    """The checkpoint folder to resume from, or None for a fresh start."""
+    folder = protocol.choose_checkpoint(
+        run_dir, MPI.COMM_WORLD, topo.leader, lambda manifest: parts_needed(topo, manifest)
+    )
+    if folder is None:
         return None
-    path = Path(choice)
-    meta = read_meta(path)
-    if meta["rollout_ranks"] != topo.rollout_ranks:
+    manifest = protocol.read_manifest(folder)
+    if manifest["rollout_ranks"] != topo.rollout_ranks:
         raise CheckpointError(
-            f"checkpoint {path} was written by {meta['rollout_ranks']} rollout ranks, this job has "
-            f"{topo.rollout_ranks}: resume with the same number (each rank's data cursor is in it)"
+            f"checkpoint {folder} was written by {manifest['rollout_ranks']} rollout ranks, this "
+            f"job has {topo.rollout_ranks}: resume with the same number (each rank's data cursor "
+            "is in it)"
         )
-    return path
+    return folder

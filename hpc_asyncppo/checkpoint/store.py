@@ -1,4 +1,5 @@
-"""Checkpoints: one HDF5 file per step holding a nested state tree and JSON metadata.
+"""The checkpoint file format: one HDF5 file holding a nested state tree and JSON metadata
+(a checkpoint is a folder of such files, one per rank's part: ``protocol``).
 
 No pickle anywhere: every value is a typed HDF5 dataset, so opening an untrusted checkpoint
 cannot run code. File layout (HDF5 1.10 format, whose metadata blocks carry checksums):
@@ -31,10 +32,9 @@ import json
 import logging
 import os
 import random
-import re
 import uuid
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,8 +50,6 @@ log = logging.getLogger(__name__)
 FORMAT = "hpc_asyncppo.checkpoint"
 FORMAT_VERSION = 1
 CHECKPOINT_DIR = "checkpoints"
-_NAME = re.compile(r"ckpt_(\d{8,})\.h5")
-_TMP_GLOB = ".ckpt_*.h5.tmp-*"
 # Lowest format 1.10: checksummed metadata. Highest 1.10: any HDF5 >= 1.10 can read the file.
 _LIBVER = ("v110", "v110")
 _SCALARS = (type(None), bool, int, float, str)
@@ -77,68 +75,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint is unreadable, corrupt, of an unknown format, or for another model."""
 
 
-# --- paths in a run directory -----------------------------------------------------------
-
-
-def checkpoint_path(run_dir: str | Path, step: int) -> Path:
-    """RUN_DIR/checkpoints/ckpt_{step:08d}.h5"""
-    return Path(run_dir) / CHECKPOINT_DIR / f"ckpt_{step:08d}.h5"
-
-
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """The run's checkpoint files, newest (highest step) first; temporary files excluded."""
-    folder = Path(run_dir) / CHECKPOINT_DIR
-    if not folder.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.fullmatch(p.name))]
-    return [p for _, p in sorted(found, reverse=True)]
-
-
-def latest_valid_checkpoint(run_dir: str | Path, warn: Callable[[str], None]) -> Path | None:
-    """The newest checkpoint whose checksums verify; ``warn`` gets one line per bad one."""
-    for path in list_checkpoints(run_dir):
-        try:
-            verify_checkpoint(path)
-            return path
-        except CheckpointError as exc:
-            warn(f"{exc}; trying an older checkpoint")
-    return None
-
-
-def load_latest_checkpoint(
-    run_dir: str | Path, warn: Callable[[str], None]
-) -> tuple[Path, dict, dict] | None:
-    """(path, tree, meta) of the newest loadable checkpoint, reading each file once."""
-    for path in list_checkpoints(run_dir):
-        try:
-            return (path, *load_checkpoint(path))
-        except CheckpointError as exc:
-            warn(f"{exc}; trying an older checkpoint")
-    return None
-
-
-def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest checkpoints, and temp files of interrupted saves.
-
-    Call it only from the process that writes checkpoints, after a save has returned:
-    a temp file is then always the litter of a save that was killed.
-    """
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
-    removed = list_checkpoints(run_dir)[keep:]
-    folder = Path(run_dir) / CHECKPOINT_DIR
-    if folder.is_dir():
-        removed += sorted(folder.glob(_TMP_GLOB))
-    for path in removed:
-        path.unlink(missing_ok=True)
-    return removed
-
-
 # --- saving -----------------------------------------------------------------------------
 
 
-def save_checkpoint(path: str | Path, tree: dict, meta: dict) -> None:
-    """Write ``tree`` and ``meta`` to ``path`` atomically.
+def save_checkpoint(path: str | Path, tree: dict, meta: dict) -> int:
+    """Write ``tree`` and ``meta`` to ``path`` atomically; returns the file's checksum (the
+    CRC-32 of its datasets' CRC-32s, what ``verify_checkpoint`` returns).
 
     The file is written under a temporary name in the same directory, fsynced, renamed,
     and the directory fsynced: after a crash ``path`` is either absent, the old file, or
@@ -153,13 +95,21 @@ def save_checkpoint(path: str | Path, tree: dict, meta: dict) -> None:
             h5py.File(tmp, "w", libver=_LIBVER, track_order=True, locking=False) as f,
             ThreadPoolExecutor(_CRC_THREADS, thread_name_prefix="crc32") as pool,
         ):
-            _Writer(f, pool).write(tree, meta_bytes)
+            writer = _Writer(f, pool)
+            writer.write(tree, meta_bytes)
         fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:  # also KeyboardInterrupt / SystemExit from a signal handler
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
+    return file_checksum(writer.crcs)
+
+
+def file_checksum(crcs: dict[str, list[int]]) -> int:
+    """CRC-32 of every dataset's CRC-32s in path order: one number for a whole file."""
+    text = json.dumps(sorted(crcs.items()))
+    return zlib.crc32(text.encode())
 
 
 def fsync_file(path: Path) -> None:
@@ -171,7 +121,7 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -259,6 +209,7 @@ class _Writer:
     def __init__(self, f: h5py.File, pool: ThreadPoolExecutor):
         self.f, self.pool = f, pool
         self.manifest: list[str] = []
+        self.crcs: dict[str, list[int]] = {}
 
     def write(self, tree: dict, meta_bytes: np.ndarray) -> None:
         if not isinstance(tree, dict):
@@ -281,7 +232,8 @@ class _Writer:
         crcs = _crc_blocks(self.pool, arr, CRC_BLOCK)
         ds = group.create_dataset(name, data=arr)
         _set_attrs(ds, attrs)
-        ds.attrs["crc32"] = np.array([crc.result() for crc in crcs], dtype=np.uint32)
+        self.crcs[ds.name] = [crc.result() for crc in crcs]
+        ds.attrs["crc32"] = np.array(self.crcs[ds.name], dtype=np.uint32)
         ds.attrs["crc32_block"] = np.int64(CRC_BLOCK)
         if listed:
             self.manifest.append(ds.name)
@@ -358,9 +310,10 @@ def load_checkpoint(path: str | Path) -> tuple[dict, dict]:
     return reader.tree, reader.meta
 
 
-def verify_checkpoint(path: str | Path) -> None:
-    """Check format, manifest and every checksum without building tensors."""
-    _read(Path(path), build=False)
+def verify_checkpoint(path: str | Path) -> int:
+    """Check format, manifest and every checksum without building tensors; returns the
+    file's checksum (``save_checkpoint``'s)."""
+    return file_checksum(_read(Path(path), build=False).crcs)
 
 
 @dataclass
@@ -430,6 +383,8 @@ class _Reader:
         self.checksums: list[tuple[str, np.ndarray, list[Future[int]]]] = []
         self.where = "/"
         self.seen: set[str] = set()
+        self.crcs: dict[str, list[int]] = {}
+        self.bytes_read = 0
         self.format_version = 0
         self.meta: dict = {}
         self.tree: dict = {}
@@ -484,6 +439,7 @@ class _Reader:
         except Exception as exc:
             raise self.fail(ds.name, f"is unreadable: {_one_line(exc)}") from None
         self.seen.add(ds.name)
+        self.bytes_read += arr.nbytes
         crcs = _crc_blocks(self.pool, arr, int(block))
         if large and self.build:  # checked at the end, while the next datasets are read
             self.checksums.append((ds.name, stored, crcs))
@@ -495,6 +451,7 @@ class _Reader:
         computed = [crc.result() for crc in crcs]
         if len(computed) != len(stored):
             raise self.fail(name, f"has {len(stored)} checksums for {len(computed)} blocks")
+        self.crcs[name] = computed
         for block, (want, got) in enumerate(zip(stored.tolist(), computed, strict=True)):
             if want != got:
                 raise self.fail(
@@ -580,7 +537,7 @@ def _to_numpy(arr: np.ndarray, ds: h5py.Dataset) -> np.ndarray | np.generic:
 
 
 class StateReader(Protocol):
-    """What a restore reads from: values and child keys by path in the checkpoint tree."""
+    """What a restore reads from: values, child keys and rows of tensors by path."""
 
     def get(self, *path: str | int) -> Any:
         """The value at ``path`` (a subtree comes back whole), or None if absent."""
@@ -588,6 +545,14 @@ class StateReader(Protocol):
 
     def keys(self, *path: str | int) -> list[str | int] | None:
         """The keys of the dict at ``path``, or None if there is none."""
+        ...
+
+    def shape(self, path: tuple) -> tuple[int, ...] | None:
+        """The whole tensor's shape at ``path``; None for a scalar or nothing."""
+        ...
+
+    def rows(self, path: tuple, rows: slice) -> torch.Tensor:
+        """Rows ``rows`` (of the first dimension) of the whole tensor at ``path``."""
         ...
 
 
@@ -612,6 +577,13 @@ class TreeReader:
         node = self._at(path)
         return list(node) if isinstance(node, dict) else None
 
+    def shape(self, path: tuple) -> tuple[int, ...] | None:
+        node = self._at(path)
+        return tuple(node.shape) if isinstance(node, torch.Tensor) and node.dim() else None
+
+    def rows(self, path: tuple, rows: slice) -> torch.Tensor:
+        return self._at(path)[rows]
+
 
 class CheckpointReader:
     """Reads single values from a checkpoint file, each verified against its checksums as it
@@ -626,6 +598,7 @@ class CheckpointReader:
         self._file: h5py.File | None = None
         self._pool: ThreadPoolExecutor | None = None
         self.meta: dict = {}
+        self.bytes_read = 0  # of datasets, verified: what this reader took from the file
 
     def __enter__(self) -> CheckpointReader:
         try:
@@ -673,6 +646,7 @@ class CheckpointReader:
             value = reader.node(obj)
             for name, stored, crcs in reader.checksums:
                 reader.check(name, stored, crcs)
+            self.bytes_read += reader.bytes_read
         except CheckpointError:
             raise
         except Exception as exc:

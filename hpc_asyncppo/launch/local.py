@@ -81,6 +81,26 @@ def explain_failure(run_dir: Path, rollout_ranks: int, mpirun_log: str) -> list[
     return lines
 
 
+class RankWarnings:
+    """Passes the ranks' one-line warnings (a skipped corrupt checkpoint...) from mpirun's
+    log on to the user's terminal as they appear."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = path.stat().st_size if path.exists() else 0  # earlier attempts' lines
+
+    def show(self) -> None:
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            for raw in f:
+                if not raw.endswith(b"\n"):
+                    break  # being written
+                self.offset += len(raw)
+                line = raw.decode(errors="replace").rstrip()
+                if line.startswith("warning: "):
+                    print(line, file=sys.stderr, flush=True)
+
+
 def run_local(cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int) -> int:
     """Run the job under mpirun, showing progress; returns the exit code for the CLI.
 
@@ -118,9 +138,16 @@ def run_local(cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int) 
             start_new_session=True,
         )
         previous = {sig: signal.signal(sig, ask_to_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        warnings = RankWarnings(log_path)
+
+        def running() -> bool:
+            warnings.show()
+            return proc.poll() is None
+
         try:
-            follow(run_dir, lambda: proc.poll() is None, cfg.trainer.total_steps)
+            follow(run_dir, running, cfg.trainer.total_steps)
             proc.wait()
+            warnings.show()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

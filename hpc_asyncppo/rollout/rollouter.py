@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpc_asyncppo.checkpoint.rank_state import encode_rank_state
-from hpc_asyncppo.checkpoint.store import CheckpointReader, set_rng_state
+from hpc_asyncppo.checkpoint import protocol
+from hpc_asyncppo.checkpoint.store import CheckpointReader, rng_state, set_rng_state
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.launch.topology import Topology
 from hpc_asyncppo.rollout.cursor import PromptCursor
@@ -32,6 +32,7 @@ from hpc_asyncppo.runlog import record_weight_digest, sent_groups_writer, weight
 from hpc_asyncppo.tasks import Prompt, Task, load_task, tokenize_prompt
 from hpc_asyncppo.tasks.overlong import usable_prompts
 from hpc_asyncppo.timeline import Timeline
+from hpc_asyncppo.transport.arrays import pack_arrays
 from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleSender
 from hpc_asyncppo.transport.weights import WeightReceiver
 
@@ -102,9 +103,9 @@ class Rollouter:
                 else:
                     self.finish_in_flight()
                 self.receive_weights(expected=value)
-            elif kind == Control.CHECKPOINT:
+            elif kind == Control.CHECKPOINT:  # value: the step being checkpointed
                 self.finish_in_flight()  # the data cursor is already past their prompts
-                self.send_state()
+                self.write_checkpoint_part(value)
             elif kind == Control.STOP:
                 return True
         return False
@@ -144,16 +145,19 @@ class Rollouter:
         while self.in_flight:
             self.step_and_send()
 
-    def send_state(self) -> None:
-        """For a checkpoint: where this rank is in the data, its RNGs, and what it has sent.
+    def write_checkpoint_part(self, step: int) -> None:
+        """This rank's part of a checkpoint (where it is in the data, its RNGs), written by
+        itself; the leader gets the part's record and how many groups were sent before it.
         Credits not yet used are void: the leader grants them anew after the checkpoint."""
         self.credits = 0
-        fields = {
-            "epoch": self.cursor.epoch,
-            "position": self.cursor.position,
-            "groups_sent": self.sender.groups_sent,
+        tree = {
+            "cursor": {"epoch": self.cursor.epoch, "position": self.cursor.position},
+            "rng": rng_state(),
         }
-        self.sender.send_state(encode_rank_state(fields), self.cfg.timeouts.rank_wait_s)
+        folder = protocol.step_dir(self.run_dir, step)
+        part = protocol.write_part(folder, protocol.rollout_part(self.rank), tree)
+        report = pack_arrays({}, {"part": part.to_json(), "groups_sent": self.sender.groups_sent})
+        self.sender.send_state(report, self.cfg.timeouts.rank_wait_s)
 
     def receive_weights(self, expected: int) -> None:
         self._waiting_since = None
@@ -228,13 +232,14 @@ class Rollouter:
 def run_rollouter(
     cfg: Config, topo: Topology, run_dir: Path, checkpoint: Path | None = None
 ) -> None:
-    """``checkpoint``: the checkpoint file to resume from (None for a fresh start); this
-    rank reads its own cursor and RNG from it, nothing else."""
+    """``checkpoint``: the checkpoint folder to resume from (None for a fresh start); this
+    rank reads its own part of it, nothing else."""
     torch.set_num_threads(cfg.rollout.torch_threads)
     torch.manual_seed(cfg.trainer.seed * 1000 + topo.world_rank)
     resume = None
     if checkpoint is not None:
-        key = f"rank{topo.world_rank}"
-        with CheckpointReader(checkpoint) as reader:
-            resume = {**reader.get("rollout", key), "rng": reader.get("rng", key)}
+        part = checkpoint / protocol.rollout_part(topo.world_rank)
+        with CheckpointReader(part) as reader:
+            resume = {**reader.get("cursor"), "rng": reader.get("rng")}
+            log.info("resume read %d bytes, from %s only", reader.bytes_read, part.name)
     Rollouter(cfg, topo, run_dir, resume).run()

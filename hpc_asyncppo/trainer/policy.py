@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import resource
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -320,6 +320,12 @@ class Policy:
         return tensor
 
     # --- weights out, one tensor at a time -----------------------------------------------
+    def resharded(self) -> PolicyModule:
+        """The module with every parameter back in its sharded form: the root unit stays
+        gathered after a forward without backward, when parameters are plain tensors."""
+        self.module.reshard()
+        return self.module
+
     def weight_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(name, full shape, dtype) of each tensor ``named_weights`` yields; no communication."""
         return [(n, tuple(p.shape), self.compute_dtype) for n, p in self.model.named_parameters()]
@@ -327,30 +333,43 @@ class Policy:
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The LM's full weights in ``model.dtype``, one at a time (the rollout ranks' copy).
         Collective: every trainer rank must iterate it to the end, in step."""
-        for name, param in self.model.named_parameters():
+        for name, param in self.resharded().lm.named_parameters():
             yield name, gather_full(param.detach()).to(self.compute_dtype)
 
-    def state_sources(self) -> list[tuple[tuple, Callable[[], object]]]:
-        """(path in the checkpoint tree, function returning the value) for every piece of the
-        trained state, in the order a checkpoint writes them. The functions of sharded
-        tensors are collective: every trainer rank calls them all, in this order."""
-        sources: list[tuple[tuple, Callable[[], object]]] = []
+    def shard_tree(self) -> dict:
+        """This rank's part of a checkpoint, without communication: its rows of every
+        parameter and optimizer state tensor (``layout``: each tensor's first row and whole
+        shape), the optimizer's hyperparameters, the LR schedule."""
+        layout: dict[str, list[int]] = {}
+        self.resharded()
+
+        def local(path: tuple, tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.dim():
+                rows = shard_rows_of(tensor, tensor.shape[0])
+                layout["/".join(map(str, path))] = [rows.start, *tensor.shape]
+            return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+
+        tree: dict = {"model": {}}
         for name, param in self.model.named_parameters():
-            sources.append((("model", name), lambda p=param: gather_full(p.detach())))
+            tree["model"][name] = local(("model", name), param)
         if self.value_head is not None:
-            for name, param in self.value_head.named_parameters():
-                sources.append((("value_head", name), lambda p=param: gather_full(p.detach())))
-        params = list(self.module.parameters())
-        state = self.optimizer.state
-        for index, param in enumerate(params):
-            for key, value in state.get(param, {}).items():
-                sources.append(
-                    (("optimizer", "state", index, key), lambda v=value: gather_full(v).clone())
-                )
+            tree["value_head"] = {
+                name: local(("value_head", name), param)
+                for name, param in self.value_head.named_parameters()
+            }
+        state: dict = {}
+        for index, param in enumerate(self.module.parameters()):
+            entries = self.optimizer.state.get(param, {})
+            if entries:
+                state[index] = {
+                    key: local(("optimizer", "state", index, key), value)
+                    for key, value in entries.items()
+                }
         groups = self.optimizer.state_dict()["param_groups"]
-        sources.append((("optimizer", "param_groups"), lambda: groups))
-        sources.append((("lr_schedule",), self.schedule.state_dict))
-        return sources
+        tree["optimizer"] = {"state": state, "param_groups": groups}
+        tree["lr_schedule"] = self.schedule.state_dict()
+        tree["layout"] = layout
+        return tree
 
     def state_bytes(self) -> int:
         """Bytes of master weights, gradients and optimizer state this rank holds (its shard)."""
@@ -359,6 +378,7 @@ class Policy:
             t = t.to_local() if isinstance(t, DTensor) else t
             return t.numel() * t.element_size()
 
+        self.resharded()
         total = 0
         for p in self.module.parameters():
             total += local_bytes(p) + (local_bytes(p.grad) if p.grad is not None else 0)
@@ -370,9 +390,10 @@ class Policy:
     # --- state back in -------------------------------------------------------------------
     @torch.no_grad()
     def load_state(self, reader: StateReader, source: str) -> None:
-        """Restore from a checkpoint, one tensor at a time (``reader``: ``CheckpointReader``,
-        or ``TreeReader`` of an in-memory tree); each rank keeps its own rows."""
-        read = reader.get
+        """Restore from a checkpoint: each tensor's rows this rank holds, one tensor at a
+        time (``reader``: the trainer parts' ``ShardedReader``, or a ``TreeReader`` of an
+        in-memory tree of whole tensors)."""
+        self.resharded()
         parts = [("model", self.model)] + (
             [("value_head", self.value_head)] if self.value_head else []
         )
@@ -394,21 +415,16 @@ class Policy:
                         f"checkpoint {source} has tensor {name!r}, which the model does not have"
                     )
             for name, param in mine.items():
-                full = read(key, name)
-                if tuple(full.shape) != tuple(param.shape):
+                shape = reader.shape((key, name))
+                if tuple(shape) != tuple(param.shape):
                     raise CheckpointError(
-                        f"checkpoint {source}: tensor {name!r} has shape {tuple(full.shape)}, "
+                        f"checkpoint {source}: tensor {name!r} has shape {tuple(shape)}, "
                         f"the model has {tuple(param.shape)}"
                     )
-                if not full.is_floating_point():
-                    raise CheckpointError(
-                        f"checkpoint {source}: tensor {name!r} has dtype "
-                        f"{str(full.dtype).removeprefix('torch.')}, the model has float32"
-                    )
-                set_full(param, full)
+                set_rows(param, reader, (key, name))
         self.load_optimizer(reader)
         if reader.keys("lr_schedule") is not None:
-            self.schedule.load_state_dict(read("lr_schedule"))
+            self.schedule.load_state_dict(reader.get("lr_schedule"))
 
     def load_optimizer(self, reader: StateReader) -> None:
         params = list(self.module.parameters())
@@ -417,16 +433,25 @@ class Policy:
             param = params[int(index)]
             entry = {}
             for key in reader.keys("optimizer", "state", index):
-                full = reader.get("optimizer", "state", index, key)
-                if key == "step" or full.dim() == 0:
-                    entry[key] = full.clone()
+                path = ("optimizer", "state", index, key)
+                if reader.shape(path) is None:  # a scalar ("step"): the same on every rank
+                    entry[key] = reader.get(*path).clone()
                 else:
-                    value = torch.zeros_like(param)
-                    set_full(value, full)
-                    entry[key] = value
+                    entry[key] = torch.zeros_like(param)
+                    set_rows(entry[key], reader, path)
             state[int(index)] = entry
         groups = reader.get("optimizer", "param_groups")
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+@torch.no_grad()
+def set_rows(tensor: torch.Tensor, reader: StateReader, path: tuple) -> None:
+    """Copy this rank's rows of the tensor at ``path`` into ``tensor`` (sharded or not)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    part = reader.rows(path, shard_rows_of(tensor, tensor.shape[0]))
+    if not part.is_floating_point():
+        raise CheckpointError(f"checkpoint tensor {'/'.join(map(str, path))} is not floating point")
+    local.copy_(part.reshape(local.shape).to(local.dtype))
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -24,16 +25,9 @@ import torch
 from mpi4py import MPI
 
 from hpc_asyncppo import runlog
+from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.checkpoint.overflow import SpillQueue
-from hpc_asyncppo.checkpoint.rank_state import decode_rank_state, encode_rank_state
-from hpc_asyncppo.checkpoint.store import (
-    CheckpointReader,
-    checkpoint_path,
-    prune_checkpoints,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
+from hpc_asyncppo.checkpoint.store import CheckpointReader, rng_state, set_rng_state
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.launch.rundir import PREEMPTED
 from hpc_asyncppo.launch.signals import stop_requested
@@ -126,7 +120,7 @@ class TrainerLeader:
             self.checkpoint(f"signal {stopped_by}")
             marker = {"step": self.step, "signal": stopped_by, "time": time.time()}
             (self.run_dir / PREEMPTED).write_text(json.dumps(marker) + "\n")
-        elif self.cfg.checkpoint.save_final and not self.saved_at_this_step():
+        elif self.cfg.checkpoint.save_final:
             self.checkpoint("final")
         self.shutdown()
 
@@ -275,32 +269,37 @@ class TrainerLeader:
             ]
         )
 
-    # --- checkpoints --------------------------------------------------------------------
+    # --- checkpoints (the protocol: checkpoint/protocol.py) -------------------------------
     def saved_at_this_step(self) -> bool:
-        return checkpoint_path(self.run_dir, self.step).exists()
+        return (protocol.step_dir(self.run_dir, self.step) / protocol.MANIFEST).exists()
 
     def checkpoint(self, reason: str) -> None:
-        """Quiesce the rollout ranks, gather every rank's state, write one HDF5 file. The
-        sharded model and optimizer state are gathered one tensor at a time as the file is
-        written (every trainer rank takes part), so no rank holds them whole."""
+        """Every rank writes its own part of the checkpoint in parallel; the leader drains the
+        groups the rollout ranks sent before theirs, writes the queue and commits."""
+        if self.saved_at_this_step():  # e.g. a stop signal right after a periodic one
+            return
         start = time.time()
-        self.receiver.broadcast_control(Control.CHECKPOINT)
-        rollout = self.gather_rollout_states()
-        followers = self.gather_follower_states()
-        leader_rank = f"rank{self.topo.world_rank}"
-        tree = {
-            **nest(self.policy.state_sources()),
-            "rng": {
-                leader_rank: rng_state(),
-                **followers,
-                **{k: v["rng"] for k, v in rollout.items()},
-            },
-            "rollout": {
-                k: {"epoch": v["epoch"], "position": v["position"]} for k, v in rollout.items()
-            },
-            "queue": self.queue.snapshot(),
-        }
-        meta = {
+        folder = protocol.step_dir(self.run_dir, self.step)
+        shutil.rmtree(folder, ignore_errors=True)  # parts of an attempt killed before its commit
+        self.receiver.broadcast_control(Control.CHECKPOINT, self.step)
+        self.order_followers({"checkpoint": True, "step": self.step})
+        try:
+            parts = self.gather_rollout_parts()
+            parts.append(write_trainer_part(folder, self.policy, 0))
+            parts += self.gather_follower_parts()
+            parts.append(
+                protocol.write_part(folder, protocol.LEADER_PART, {"queue": self.queue.snapshot()})
+            )
+            protocol.commit(folder, parts, self.checkpoint_meta(reason))
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)  # never half a checkpoint on disk
+            raise
+        protocol.prune(self.run_dir, self.cfg.checkpoint.keep)
+        log.info("checkpoint at step %d (%s) in %.2fs", self.step, reason, time.time() - start)
+        self.timeline.record("checkpoint", start, time.time(), step=self.step)
+
+    def checkpoint_meta(self, reason: str) -> dict:
+        return {
             "step": self.step,
             "param_version": self.version,
             "synced_step": self.synced_step,
@@ -313,53 +312,45 @@ class TrainerLeader:
             "train_ranks": self.topo.train_ranks,
             "reason": reason,
         }
-        save_checkpoint(checkpoint_path(self.run_dir, self.step), tree, meta)
-        prune_checkpoints(self.run_dir, self.cfg.checkpoint.keep)
-        log.info("checkpoint at step %d (%s) in %.2fs", self.step, reason, time.time() - start)
-        self.timeline.record("checkpoint", start, time.time(), step=self.step)
 
-    def gather_rollout_states(self) -> dict[str, dict]:
-        """Every rollout rank's state, once every group it sent before it is in the queue.
-        Their unused credits are void afterwards (granted anew by the next collect)."""
-        states: dict[int, tuple[dict, dict]] = {}
+    def gather_rollout_parts(self) -> list[protocol.PartInfo]:
+        """Every rollout rank's part record, once every group it sent before it is in the
+        queue. Their unused credits are void afterwards (granted anew by the next collect)."""
+        reports: dict[int, dict] = {}
 
         def ready() -> bool:
             self.receive()
             for rank, buf in self.receiver.poll_states().items():
-                states[rank] = decode_rank_state(buf)
-            return len(states) == self.topo.rollout_ranks and all(
-                self.receiver.received_from[r] == fields["groups_sent"]
-                for r, (fields, _) in states.items()
+                reports[rank] = unpack_arrays(buf)[1]
+            return len(reports) == self.topo.rollout_ranks and all(
+                self.receiver.received_from[r] == report["groups_sent"]
+                for r, report in reports.items()
             )
 
-        poll_until(ready, self.cfg.timeouts.rank_wait_s, "rollout ranks' state for a checkpoint")
+        poll_until(ready, self.cfg.timeouts.rank_wait_s, "rollout ranks' checkpoint parts")
         self.credits.revoke_unused()
-        return {f"rank{r}": {**fields, "rng": rng} for r, (fields, rng) in states.items()}
+        return [protocol.PartInfo.from_json(reports[r]["part"]) for r in sorted(reports)]
 
-    def gather_follower_states(self) -> dict[str, dict]:
-        followers = range(1, self.topo.train_ranks)
-        self.send_shards([{}] * len(followers), {"checkpoint": True, "step": self.step})
-        states = {}
-        for follower in followers:
+    def gather_follower_parts(self) -> list[protocol.PartInfo]:
+        parts = []
+        for follower in range(1, self.topo.train_ranks):
             status = MPI.Status()
             poll_until(
                 lambda f=follower, st=status: self.topo.local.Iprobe(
                     source=f, tag=TAG_FOLLOWER_STATE, status=st
                 ),
                 self.cfg.timeouts.rank_wait_s,
-                f"trainer rank {follower}'s state for a checkpoint",
+                f"trainer rank {follower}'s checkpoint part",
             )
             buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
             self.topo.local.Recv([buf, MPI.BYTE], source=follower, tag=TAG_FOLLOWER_STATE)
-            states[f"rank{self.topo.leader + follower}"] = decode_rank_state(buf)[1]
-        return states
+            parts.append(protocol.PartInfo.from_json(unpack_arrays(buf)[1]["part"]))
+        return parts
 
-    def restore(self, path: Path) -> None:
-        with CheckpointReader(path) as reader:
-            self.policy.load_state(reader, str(path))
-            meta = reader.meta
+    def restore(self, folder: Path) -> None:
+        meta = restore_trainer_part(folder, self.policy, 0, self.topo.train_ranks)
+        with CheckpointReader(folder / protocol.LEADER_PART) as reader:
             self.queue.extend(reader.get("queue") or [])
-            set_rng_state(reader.get("rng", f"rank{self.topo.world_rank}"))
         self.step, self.version = meta["step"], meta["param_version"]
         self.unsynced_steps = meta.get("synced_step", -1) != self.step
         self.samples_trained, self.samples_dropped = (
@@ -374,7 +365,7 @@ class TrainerLeader:
         (self.run_dir / PREEMPTED).unlink(missing_ok=True)
         log.info(
             "resumed from %s: step %d, version %d, %d queued groups",
-            path,
+            folder,
             self.step,
             self.version,
             len(self.queue),
@@ -398,7 +389,9 @@ class TrainerLeader:
             writer.close()
 
 
-def run_follower(cfg: Config, topo: Topology, policy: Policy, timeline: Timeline) -> None:
+def run_follower(
+    cfg: Config, topo: Topology, run_dir: Path, policy: Policy, timeline: Timeline
+) -> None:
     """A non-leader trainer rank: train on each shard the leader sends until told to stop."""
     # The leader may wait for samples, a sync and a checkpoint between two shards.
     timeout = cfg.timeouts.sample_wait_s + cfg.timeouts.weight_sync_s + 2 * cfg.timeouts.rank_wait_s
@@ -422,33 +415,38 @@ def run_follower(cfg: Config, topo: Topology, policy: Policy, timeline: Timeline
                 pass
             continue
         if meta["checkpoint"]:
-            state = encode_rank_state({})
-            req = topo.local.Isend([state, MPI.BYTE], dest=0, tag=TAG_FOLLOWER_STATE)
-            poll_until(
-                req.Test, cfg.timeouts.rank_wait_s, "the trainer leader to take this rank's state"
-            )
-            for _, gather in policy.state_sources():  # as the leader writes the file
-                gather()
+            folder = protocol.step_dir(run_dir, meta["step"])
+            part = write_trainer_part(folder, policy, topo.local_rank)
+            report = pack_arrays({}, {"part": part.to_json()})
+            req = topo.local.Isend([report, MPI.BYTE], dest=0, tag=TAG_FOLLOWER_STATE)
+            poll_until(req.Test, cfg.timeouts.rank_wait_s, "the trainer leader to take the part")
             continue
         train_start = time.time()
         ppo_update(policy, to_tensors(shard, topo.device))
         timeline.record("train", train_start, time.time(), step=meta["step"])
 
 
-def nest(sources: list[tuple[tuple, object]]) -> dict:
-    """A tree from (path, leaf) pairs, keeping their order (the checkpoint writes leaves in
-    the tree's order, which is the order the followers gather them in)."""
-    tree: dict = {}
-    for path, leaf in sources:
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = leaf
-    return tree
+def write_trainer_part(folder: Path, policy: Policy, rank: int) -> protocol.PartInfo:
+    """Trainer rank ``rank``'s part: its shards of the model and optimizer, and its RNGs."""
+    tree = {**policy.shard_tree(), "rng": rng_state()}
+    return protocol.write_part(folder, protocol.trainer_part(rank), tree)
+
+
+def restore_trainer_part(folder: Path, policy: Policy, rank: int, ranks: int) -> dict:
+    """Load this rank's rows from the parts that hold them, and its RNGs when the
+    checkpoint had a part of its number; returns the checkpoint's manifest."""
+    manifest = protocol.read_manifest(folder)
+    old = protocol.overlapping_parts(rank, ranks, manifest["train_ranks"])
+    with protocol.ShardedReader(folder, manifest, old) as reader:
+        policy.load_state(reader, str(folder))
+    if rank < manifest["train_ranks"]:  # absent when resuming with more trainer ranks
+        with CheckpointReader(folder / protocol.trainer_part(rank)) as reader:
+            set_rng_state(reader.get("rng"))
+    return manifest
 
 
 def run_trainer(cfg: Config, topo: Topology, run_dir: Path, checkpoint: Path | None = None) -> None:
-    """``checkpoint``: the checkpoint file to resume from, or None for a fresh start."""
+    """``checkpoint``: the checkpoint folder to resume from, or None for a fresh start."""
     torch.set_num_threads(cfg.actor.torch_threads)
     torch.manual_seed(cfg.trainer.seed)
     policy = Policy(cfg, topo.device, topo.trainer_group)
@@ -456,9 +454,5 @@ def run_trainer(cfg: Config, topo: Topology, run_dir: Path, checkpoint: Path | N
         TrainerLeader(cfg, topo, run_dir, policy, checkpoint).run()
         return
     if checkpoint is not None:
-        with CheckpointReader(checkpoint) as reader:
-            policy.load_state(reader, str(checkpoint))
-            own = reader.get("rng", f"rank{topo.world_rank}")
-        if own is not None:  # absent when resuming with more trainer ranks than before
-            set_rng_state(own)
-    run_follower(cfg, topo, policy, Timeline(run_dir, topo.world_rank, "trainer"))
+        restore_trainer_part(checkpoint, policy, topo.local_rank, topo.train_ranks)
+    run_follower(cfg, topo, run_dir, policy, Timeline(run_dir, topo.world_rank, "trainer"))

@@ -1,4 +1,5 @@
-"""python -m hpc_asyncppo.checkpoint.inspect on a file and on a run directory.
+"""python -m hpc_asyncppo.checkpoint.inspect on a part file, a checkpoint folder and a run
+directory.
 
 The checkpoints are the trainer's own: one tiny real run under mpirun writes them (steps
 2 and 4), so the layout inspected is the one a run leaves, not one made up for the test.
@@ -6,7 +7,6 @@ The checkpoints are the trainer's own: one tiny real run under mpirun writes the
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from hpc_asyncppo.checkpoint.store import checkpoint_path, load_checkpoint
+from hpc_asyncppo.checkpoint.protocol import step_dir
+from hpc_asyncppo.checkpoint.store import load_checkpoint
 from hpc_asyncppo.runlog import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,24 +65,27 @@ def leaves(tree: object) -> int:
 
 
 @pytest.mark.mpi
-def test_inspect_a_checkpoint_file(real_run: Path) -> None:
-    path = checkpoint_path(real_run, 4)
-    proc = inspect(path)
+def test_inspect_a_checkpoint_folder_and_a_part(real_run: Path) -> None:
+    folder = step_dir(real_run, 4)
+    proc = inspect(folder)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     trained = read_jsonl(real_run / "metrics.jsonl")[-1]["samples/total"]
     assert trained == 4 * 16
-    assert "format version  1" in out and "step            4" in out
+    assert "step            4" in out
     # the sync after step 4 made version 2 (0 at the start, 1 after step 2)
     assert "param version   2" in out and f"samples_trained={trained}" in out
     assert "rollout_ranks=1" in out and "train_ranks=1" in out
-    tree, _ = load_checkpoint(path)
-    queued = len(tree["queue"])
+    for part in ("trainer0.h5", "rollout0.h5", "leader.h5"):
+        assert f"  {part}" in out and "checksums ok" in out
+    trainer, _ = load_checkpoint(folder / "trainer0.h5")
+    assert f"{leaves(trainer)} tensors" in out
+    queued = len(load_checkpoint(folder / "leader.h5")[0]["queue"])
     if queued:
         assert f"/queue: {queued} items" in out and f"{queued * 8} responses" in out
-    else:
-        assert "sample buffers  none" in out
-    assert f"tensors         {leaves(tree)} (" in out and "checksums       ok" in out
+    proc = inspect(folder / "trainer0.h5")  # one part file
+    assert proc.returncode == 0 and "checksums       ok" in proc.stdout
+    assert f"tensors         {leaves(trainer)} (" in proc.stdout
 
 
 @pytest.mark.mpi
@@ -92,21 +96,26 @@ def test_inspect_a_run_dir_lists_every_checkpoint_and_fails_on_a_bad_one(
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) == 2
-    queued = len(load_checkpoint(checkpoint_path(real_run, 4))[0]["queue"])
-    assert lines[0].startswith(f"ckpt_00000004.h5  ok  step 4  param_version 2  queued {queued}")
-    assert lines[1].startswith("ckpt_00000002.h5  ok  step 2  param_version 1")
+    queued = len(load_checkpoint(step_dir(real_run, 4) / "leader.h5")[0]["queue"])
+    assert lines[0].startswith(
+        f"step_00000004  ok  step 4  param_version 2  parts 3  queued {queued}"
+    )
+    assert lines[1].startswith("step_00000002  ok  step 2  param_version 1")
 
-    os.truncate(checkpoint_path(copy_of_run, 4), 5000)
+    part = step_dir(copy_of_run, 4) / "trainer0.h5"
+    raw = bytearray(part.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size: only reading every byte finds it
+    part.write_bytes(bytes(raw))
     proc = inspect(copy_of_run / "checkpoints")
     assert proc.returncode == 1
     lines = proc.stdout.splitlines()
-    assert len(lines) == 2 and lines[0].startswith("ckpt_00000004.h5  BAD  checkpoint ")
-    assert lines[1].startswith("ckpt_00000002.h5  ok")
+    assert len(lines) == 2 and lines[0].startswith("step_00000004  BAD  checkpoint ")
+    assert "trainer0.h5" in lines[0]
+    assert lines[1].startswith("step_00000002  ok")
 
-    proc = inspect(checkpoint_path(copy_of_run, 4))
+    proc = inspect(step_dir(copy_of_run, 4))
     assert proc.returncode == 1 and proc.stdout == ""
-    assert len(proc.stderr.splitlines()) == 1
-    assert str(checkpoint_path(copy_of_run, 4)) in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and "trainer0.h5" in proc.stderr
 
 
 def test_inspect_a_run_dir_without_checkpoints_fails(tmp_path: Path) -> None:

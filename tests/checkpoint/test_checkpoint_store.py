@@ -1,5 +1,5 @@
-"""hpc_asyncppo.checkpoint.store: exact round trips, atomic saves, corruption detection,
-fallback and pruning, model compatibility, RNG states, and no pickle anywhere."""
+"""hpc_asyncppo.checkpoint.store (one checkpoint file): exact round trips, atomic saves,
+corruption detection, model compatibility, RNG states, and no pickle anywhere."""
 
 from __future__ import annotations
 
@@ -20,12 +20,7 @@ from hpc_asyncppo.checkpoint import store
 from hpc_asyncppo.checkpoint.store import (
     CheckpointError,
     check_compatible,
-    checkpoint_path,
-    latest_valid_checkpoint,
-    list_checkpoints,
     load_checkpoint,
-    load_latest_checkpoint,
-    prune_checkpoints,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -119,7 +114,7 @@ def test_bfloat16_is_stored_as_its_uint16_bit_pattern(tmp_path):
 
 
 def test_unsupported_leaf_fails_and_leaves_no_file_nor_litter(tmp_path):
-    path = checkpoint_path(tmp_path, 5)
+    path = tmp_path / "step" / "c.h5"
     tree = {"model": {"w": torch.ones(1000)}, "bad": object()}
     with pytest.raises(TypeError, match="cannot store tree/bad: object"):
         save_checkpoint(path, tree, {"step": 5})
@@ -136,9 +131,9 @@ def test_failing_save_keeps_the_previous_file_under_the_final_name(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.h5"]
 
 
-def test_save_killed_midway_leaves_only_a_temp_file_that_prune_removes(tmp_path):
-    path = checkpoint_path(tmp_path, 2)
-    save_checkpoint(checkpoint_path(tmp_path, 1), {"w": torch.zeros(3)}, {"step": 1})
+def test_save_killed_midway_leaves_the_final_name_untouched(tmp_path):
+    path, first = tmp_path / "c2.h5", tmp_path / "c1.h5"
+    save_checkpoint(first, {"w": torch.zeros(3)}, {"step": 1})
     script = (
         "import os, torch\n"
         "from hpc_asyncppo.checkpoint import store\n"
@@ -154,11 +149,9 @@ def test_save_killed_midway_leaves_only_a_temp_file_that_prune_removes(tmp_path)
     )
     assert proc.returncode == 9, proc.stderr
     assert not path.exists()
-    assert list_checkpoints(tmp_path) == [checkpoint_path(tmp_path, 1)]
-    litter = [p for p in path.parent.iterdir() if p.name.startswith(".ckpt_00000002.h5.tmp-")]
-    assert len(litter) == 1
-    assert prune_checkpoints(tmp_path, keep=1) == litter
-    assert [p.name for p in path.parent.iterdir()] == ["ckpt_00000001.h5"]
+    litter = [p for p in tmp_path.iterdir() if p.name.startswith(".c2.h5.tmp-")]
+    assert len(litter) == 1  # a checkpoint folder without its manifest is removed whole
+    assert load_checkpoint(first)[1] == {"step": 1}
 
 
 def test_meta_must_be_json(tmp_path):
@@ -177,7 +170,7 @@ def test_colliding_keys_are_refused(tmp_path):
 
 @pytest.fixture
 def saved(tmp_path):
-    path = checkpoint_path(tmp_path, 7)
+    path = tmp_path / "c7.h5"
     tree = {"model": {"a": torch.randn(64, 64), "b": torch.randn(256).bfloat16()}, "x": [1, 2]}
     save_checkpoint(path, tree, {"step": 7})
     return path
@@ -267,55 +260,11 @@ def test_other_files_and_versions_are_refused(tmp_path, saved):
         load_checkpoint(saved)
 
 
-# --- run directory: listing, fallback, pruning --------------------------------------------
-
-
-def save_steps(run_dir, steps):
-    for step in steps:
-        save_checkpoint(
-            checkpoint_path(run_dir, step), {"w": torch.full((4,), step)}, {"step": step}
-        )
-
-
-def test_list_is_newest_first_by_step_number(tmp_path):
-    save_steps(tmp_path, [9, 100_000_000, 10])
-    (tmp_path / "checkpoints" / "notes.txt").write_text("x")
-    names = [p.name for p in list_checkpoints(tmp_path)]
-    assert names == ["ckpt_100000000.h5", "ckpt_00000010.h5", "ckpt_00000009.h5"]
-    assert list_checkpoints(tmp_path / "nowhere") == []
-
-
-def test_fallback_skips_corrupt_checkpoints_with_one_warning_each(tmp_path):
-    save_steps(tmp_path, [1, 2, 3])
-    flip_byte(checkpoint_path(tmp_path, 3), data_offset(checkpoint_path(tmp_path, 3), "/tree/w"))
-    os.truncate(checkpoint_path(tmp_path, 2), 100)
-    warnings: list[str] = []
-    assert latest_valid_checkpoint(tmp_path, warnings.append) == checkpoint_path(tmp_path, 1)
-    assert len(warnings) == 2 and all("\n" not in w for w in warnings)
-    assert "ckpt_00000003.h5" in warnings[0] and "ckpt_00000002.h5" in warnings[1]
-    path, tree, meta = load_latest_checkpoint(tmp_path, warnings.append)
-    assert path == checkpoint_path(tmp_path, 1) and meta["step"] == 1
-    assert tree["w"].tolist() == [1, 1, 1, 1]
-
-
-def test_fallback_with_nothing_valid_returns_none(tmp_path):
-    save_steps(tmp_path, [1])
-    os.truncate(checkpoint_path(tmp_path, 1), 10)
-    warnings: list[str] = []
-    assert latest_valid_checkpoint(tmp_path, warnings.append) is None
-    assert load_latest_checkpoint(tmp_path, warnings.append) is None
-    assert len(warnings) == 2
-    assert latest_valid_checkpoint(tmp_path / "empty", warnings.append) is None
-
-
-def test_prune_keeps_the_newest_k(tmp_path):
-    save_steps(tmp_path, [1, 2, 3, 4, 5])
-    removed = prune_checkpoints(tmp_path, keep=2)
-    assert [p.name for p in removed] == ["ckpt_00000003.h5", "ckpt_00000002.h5", "ckpt_00000001.h5"]
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt_00000005.h5", "ckpt_00000004.h5"]
-    assert prune_checkpoints(tmp_path, keep=2) == []
-    with pytest.raises(ValueError):
-        prune_checkpoints(tmp_path, keep=0)
+def test_the_file_checksum_is_what_verify_recomputes(tmp_path):
+    checksum = save_checkpoint(tmp_path / "c.h5", every_kind_of_leaf(), {"step": 1})
+    assert verify_checkpoint(tmp_path / "c.h5") == checksum
+    other = save_checkpoint(tmp_path / "d.h5", {"w": torch.ones(3)}, {"step": 1})
+    assert other != checksum
 
 
 # --- no pickle ------------------------------------------------------------------------------
@@ -405,4 +354,4 @@ def test_fsync_dir_tolerates_filesystems_that_refuse(monkeypatch, tmp_path):
         raise OSError(22, "Invalid argument")
 
     monkeypatch.setattr(store.os, "fsync", einval)
-    store._fsync_dir(tmp_path)
+    store.fsync_dir(tmp_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc_asyncppo.checkpoint.store import checkpoint_path, list_checkpoints, load_checkpoint
+from hpc_asyncppo.checkpoint.protocol import list_checkpoints, read_full, read_manifest, step_dir
 from hpc_asyncppo.config import DataConfig, TinyModelConfig
 from hpc_asyncppo.models.tiny import build_tiny_model
 from hpc_asyncppo.rollout.cursor import PromptCursor
@@ -32,9 +33,8 @@ def submit(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    tree, meta = load_checkpoint(checkpoint_path(run_dir, step))
-    assert meta["step"] == step
-    return tree["model"]
+    assert read_manifest(step_dir(run_dir, step))["step"] == step
+    return read_full(step_dir(run_dir, step), "model")
 
 
 def test_sync_run_resumed_halfway_ends_with_bitwise_identical_weights(tmp_path):
@@ -115,30 +115,60 @@ def test_fully_async_run_interrupted_twice_trains_every_sample_exactly_once(tmp_
         assert mine == cursor_prefix(rank, ranks, seed=1, num_prompts=64, count=len(mine))
 
 
-def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path):
+def test_a_corrupt_or_missing_part_is_named_and_its_checkpoint_skipped(tmp_path):
     run_dir = tmp_path / "run"
-    assert (
-        submit(
-            "--run-dir", str(run_dir), *SMALL, "trainer.total_steps=6", "checkpoint.save_every=2"
-        ).returncode
-        == 0
-    )
-    newest = list_checkpoints(run_dir)[0]
-    assert newest.name == "ckpt_00000006.h5"
-    raw = bytearray(newest.read_bytes())
+    args = ["--train-ranks", "2", *SMALL, "trainer.total_steps=6", "checkpoint.save_every=2"]
+    assert submit("--run-dir", str(run_dir), *args).returncode == 0
+    newest, older = list_checkpoints(run_dir)[:2]
+    assert newest.name == "step_00000006" and older.name == "step_00000004"
+    # a flipped byte in trainer rank 1's part: its size is right, so only the rank that
+    # reads it (trainer rank 1, verifying in parallel) can tell
+    part = newest / "trainer1.h5"
+    raw = bytearray(part.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
-    newest.write_bytes(bytes(raw))
+    part.write_bytes(bytes(raw))
     resumed = submit("--resume", str(run_dir), "trainer.total_steps=8")
     assert resumed.returncode == 0, resumed.stderr
-    warnings = [line for line in resumed.stderr.splitlines() if "ckpt_00000006.h5" in line]
-    assert warnings, resumed.stderr
+    warnings = [line for line in resumed.stderr.splitlines() if "trainer1.h5" in line]
+    assert len(warnings) == 1 and "step_00000006" in warnings[0], resumed.stderr
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, 9))
-    # every checkpoint corrupt: a clear error, non-zero exit
-    for path in list_checkpoints(run_dir):
-        path.write_bytes(path.read_bytes()[:100])
+    # a part gone from every checkpoint: refused before any rank starts, one line each
+    for folder in list_checkpoints(run_dir):
+        (folder / "rollout0.h5").unlink()
     failed = submit("--resume", str(run_dir), "trainer.total_steps=10")
-    assert failed.returncode != 0
+    assert failed.returncode == 2
     assert "no valid checkpoint" in failed.stderr
+    assert failed.stderr.count("part rollout0.h5 is missing") == len(list_checkpoints(run_dir))
+
+
+def test_a_rank_killed_while_parts_are_written_leaves_the_previous_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["--train-ranks", "2", *SMALL, "trainer.total_steps=6", "checkpoint.save_every=2"]
+    env = {**os.environ, "HPC_ASYNCPPO_TEST_KILL_AFTER_PART": "4:trainer1.h5"}
+    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local",
+           "--run-dir", str(run_dir), *args]  # fmt: skip
+    killed = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+    assert killed.returncode != 0 and "killed by signal 9" in killed.stderr, killed.stderr
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000002"]
+    assert (run_dir / "checkpoints" / "step_00000004" / "trainer1.h5").exists()  # no manifest
+    resumed = submit("--resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stdout and "step_00000002" in resumed.stdout
+    trained = [r["uid"] for r in read_jsonl(run_dir / "trained_samples.jsonl")]
+    assert len(trained) == len(set(trained)) == 6 * 4 * 8
+    # the rollout rank read its own part and nothing of the trainer's
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    line = next(x for x in log.splitlines() if "resume read" in x)
+    assert (
+        "from rollout0.h5 only" in line and int(line.split("resume read ")[1].split()[0]) < 50_000
+    )
+    # the killed attempt's parts of step 4 were cleared; the resumed run committed its own
+    assert [p.name for p in list_checkpoints(run_dir)] == [
+        "step_00000006",
+        "step_00000004",
+        "step_00000002",
+    ]
+    assert read_manifest(step_dir(run_dir, 4))["step"] == 4
 
 
 def test_checkpoint_of_another_model_shape_is_refused(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hpc_asyncppo.checkpoint.store import checkpoint_path, load_checkpoint
+from hpc_asyncppo.checkpoint.protocol import read_full, read_manifest, step_dir
 from hpc_asyncppo.runlog import read_jsonl
 
 pytestmark = pytest.mark.mpi
@@ -31,9 +31,8 @@ def submit(run_dir: Path | None, *args: str, timeout: float = 300) -> subprocess
 
 
 def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    tree, meta = load_checkpoint(checkpoint_path(run_dir, step))
-    assert meta["step"] == step
-    return tree["model"]
+    assert read_manifest(step_dir(run_dir, step))["step"] == step
+    return read_full(step_dir(run_dir, step), "model")
 
 
 def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -124,9 +123,11 @@ def test_value_head_reference_entropy_epochs_and_mini_batches_in_bf16_on_two_ran
     metrics = finite_metrics(run_dir, keys)
     assert metrics[-1]["samples/total"] == 6 * 2 * 4 * 8
     assert metrics[-1]["actor/kl_loss"] > metrics[0]["actor/kl_loss"]  # moving off the reference
-    tree, _ = load_checkpoint(checkpoint_path(run_dir, 6))
-    assert set(tree["value_head"]) == {"weight", "bias"}
-    assert len(tree["optimizer"]["state"]) == len(tree["model"]) + 2
+    folder = step_dir(run_dir, 6)
+    assert set(read_full(folder, "value_head")) == {"weight", "bias"}
+    assert sorted(read_manifest(folder)["parts"]) == [
+        "leader.h5", "rollout0.h5", "trainer0.h5", "trainer1.h5"
+    ]  # fmt: skip
 
 
 def test_importance_weights_token_budget_checkpointing_and_lr_schedule(tmp_path):

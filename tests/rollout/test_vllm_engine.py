@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh --with-vllm)")
 
@@ -87,7 +88,7 @@ def perturbed(policy: Policy, seed: int, scale: float = 0.2) -> dict[str, torch.
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in policy.model.parameters():  # the policy's own (one-rank) shards
-            local = p.to_local()
+            local = p.to_local() if isinstance(p, DTensor) else p
             local.add_(scale * torch.randn(local.shape, generator=gen))
     return {n: t.clone() for n, t in policy.named_weights()}
 

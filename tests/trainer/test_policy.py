@@ -26,7 +26,6 @@ from hpc_asyncppo.trainer.policy import (
     ppo_update,
     reference_quantities,
 )
-from hpc_asyncppo.trainer.trainer import nest
 
 CPU = torch.device("cpu")
 
@@ -172,8 +171,8 @@ def test_positive_advantage_raises_the_log_prob_of_its_tokens(tiny_model_dir):
 
 
 def gathered_state(policy: Policy) -> dict:
-    """What a checkpoint writes, as an in-memory tree."""
-    return nest([(path, source()) for path, source in policy.state_sources()])
+    """What a one-rank checkpoint part holds (its shards are the whole tensors)."""
+    return policy.shard_tree()
 
 
 def test_restore_reproduces_the_next_steps_exactly(tiny_model_dir):

@@ -1,0 +1,374 @@
+"""The checkpoint protocol: every rank writes its own part in parallel, the trainer leader
+commits the set with a manifest, and on resume every rank verifies and reads only its part.
+
+A checkpoint of step N is the folder ``RUN_DIR/checkpoints/step_<N>/``::
+
+    trainer<k>.h5   trainer rank k's shards: its rows of every parameter and optimizer
+                    state tensor (with each tensor's first row and global row count in
+                    ``layout``), the optimizer's hyperparameters, the LR schedule, its RNGs
+    rollout<r>.h5   rollout rank r's data cursor and RNGs
+    leader.h5       the trainer's sample queue (every group received and not yet trained)
+    manifest.json   step, counters, rank counts, and every part with its size and checksum
+
+Each part is an HDF5 file of ``checkpoint.store`` (written under a temporary name, fsynced,
+renamed; a CRC-32 per dataset; no pickle). A part's checksum is the CRC-32 of its datasets'
+CRC-32s, so verifying a part re-reads it once. The checkpoint exists only once the manifest
+naming every part is durably in place: the leader writes it last (temporary name, fsync,
+rename, fsync of the folder), after every rank reported its part written. A crash at any
+moment leaves either the previous complete checkpoint or the new complete one; a folder
+without a manifest is the litter of a checkpoint that never happened and is removed.
+
+Saving, in order (the roles call these at one point of their loop each):
+1. the leader tells the rollout ranks (CHECKPOINT, with the step) and the trainer followers;
+2. each rollout rank finishes its groups in flight, writes ``rollout<r>.h5`` and reports
+   (part, size, checksum, groups sent); the leader drains every group sent before it;
+3. every trainer rank writes ``trainer<k>.h5``; the followers report their part;
+4. the leader writes ``leader.h5`` (the queue, now complete) and the manifest.
+
+Resuming (``choose_checkpoint``, collective over every rank): the leader proposes the newest
+checkpoint with a manifest; every rank checks that the parts it needs exist with their
+sizes and verifies their checksums, in parallel; if any part is missing or corrupt, each
+such part is named in one line and the next older checkpoint is tried. A trainer rank needs
+the trainer parts whose rows overlap its own (with as many trainer ranks as before: exactly
+its own part); a rollout rank its own part only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from hpc_asyncppo.checkpoint.store import (
+    CHECKPOINT_DIR,
+    CheckpointError,
+    CheckpointReader,
+    fsync_dir,
+    fsync_file,
+    save_checkpoint,
+    verify_checkpoint,
+)
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT = "hpc_asyncppo.checkpoint"
+FORMAT_VERSION = 2
+LEADER_PART = "leader.h5"
+_STEP_DIR = re.compile(r"step_(\d{8,})")
+_LEGACY = re.compile(r"ckpt_(\d{8,})\.h5")
+_KILL_AFTER = "HPC_ASYNCPPO_TEST_KILL_AFTER_PART"  # "<step>:<part>", for the crash tests
+
+
+def trainer_part(rank: int) -> str:
+    return f"trainer{rank}.h5"
+
+
+def rollout_part(rank: int) -> str:
+    return f"rollout{rank}.h5"
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    """RUN_DIR/checkpoints/step_{step:08d}"""
+    return Path(run_dir) / CHECKPOINT_DIR / f"step_{step:08d}"
+
+
+# --- writing ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """What the manifest records of one part, and what a rank reports after writing it."""
+
+    name: str
+    bytes: int
+    checksum: int
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "bytes": self.bytes, "checksum": self.checksum}
+
+    @classmethod
+    def from_json(cls, d: dict) -> PartInfo:
+        return cls(str(d["name"]), int(d["bytes"]), int(d["checksum"]))
+
+
+def write_part(folder: Path, name: str, tree: dict) -> PartInfo:
+    """Write one rank's part of a checkpoint (atomically, fsynced); returns its record."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    checksum = save_checkpoint(path, tree, {"part": name})
+    kill = os.environ.get(_KILL_AFTER)
+    if kill and kill == f"{int(folder.name[5:])}:{name}":
+        os.kill(os.getpid(), signal.SIGKILL)  # tests: a rank dies between its part and the commit
+    return PartInfo(name, path.stat().st_size, checksum)
+
+
+def commit(folder: Path, parts: list[PartInfo], meta: dict) -> None:
+    """Write the manifest last: from this moment the checkpoint exists."""
+    names = [p.name for p in parts]
+    if len(set(names)) != len(names):
+        raise CheckpointError(f"checkpoint {folder}: two parts named alike in {names}")
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        **meta,
+        "parts": {p.name: {"bytes": p.bytes, "checksum": p.checksum} for p in parts},
+    }
+    tmp = folder / f".{MANIFEST}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+        fsync_file(tmp)
+        os.replace(tmp, folder / MANIFEST)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(folder)
+
+
+def prune(run_dir: str | Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest committed checkpoints, folders that never got a
+    manifest (killed saves) and single-file checkpoints of the old format older than the
+    kept ones. Only the leader calls it, after a commit."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    committed = list_checkpoints(run_dir)
+    removed = committed[keep:]
+    root = Path(run_dir) / CHECKPOINT_DIR
+    for path in sorted(root.glob("step_*")) if root.is_dir() else []:
+        if path.is_dir() and not (path / MANIFEST).exists():
+            removed.append(path)
+    for path in removed:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return removed
+
+
+# --- finding and checking ------------------------------------------------------------------
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Committed checkpoints (step folders with a manifest, and single files of the old
+    format), newest first."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        if (m := _STEP_DIR.fullmatch(path.name)) and (path / MANIFEST).is_file():
+            found.append((int(m.group(1)), 1, path))
+        elif m := _LEGACY.fullmatch(path.name):
+            found.append((int(m.group(1)), 0, path))
+    return [p for _, _, p in sorted(found, reverse=True)]
+
+
+def read_manifest(folder: Path) -> dict:
+    """The manifest of a checkpoint folder; CheckpointError (one line) if it is not one
+    this code reads (a single file of the old format says what to do)."""
+    if _LEGACY.fullmatch(folder.name):
+        raise CheckpointError(
+            f"checkpoint {folder} is a single file of an earlier format: resume it with the "
+            "hpc_asyncppo version that wrote it, or move it away to start over"
+        )
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {folder}: unreadable {MANIFEST}: {exc}") from None
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {folder}: {MANIFEST} is not of {FORMAT} v{FORMAT_VERSION}"
+        )
+    return manifest
+
+
+def check_parts(folder: Path, manifest: dict, names: list[str], verify: bool) -> None:
+    """Each named part is listed, present, of its recorded size, and (``verify``) matches
+    its checksum. CheckpointError naming the first part that does not."""
+    parts = manifest["parts"]
+    for name in names:
+        if name not in parts:
+            raise CheckpointError(f"checkpoint {folder}: the manifest lists no part {name}")
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {folder}: part {name} is missing")
+        size = path.stat().st_size
+        if size != parts[name]["bytes"]:
+            raise CheckpointError(
+                f"checkpoint {folder}: part {name} has {size} bytes, the manifest says "
+                f"{parts[name]['bytes']}"
+            )
+        if verify and verify_checkpoint(path) != parts[name]["checksum"]:
+            raise CheckpointError(f"checkpoint {folder}: part {name} does not match its checksum")
+
+
+def check_manifest(folder: Path) -> dict:
+    """Every part present with its size (no data read): what ``submit --resume`` checks."""
+    manifest = read_manifest(folder)
+    check_parts(folder, manifest, list(manifest["parts"]), verify=False)
+    return manifest
+
+
+def verify_all(folder: Path) -> dict:
+    """Every part present, of its size, and matching its checksum (reads everything)."""
+    manifest = read_manifest(folder)
+    check_parts(folder, manifest, list(manifest["parts"]), verify=True)
+    return manifest
+
+
+def overlapping_parts(rank: int, ranks: int, old_ranks: int) -> list[int]:
+    """Old trainer parts whose rows may overlap rank's rows of any tensor (FSDP's chunking:
+    ceil(rows / T) per rank), for ``ranks`` trainer ranks now and ``old_ranks`` before."""
+    if ranks == old_ranks:
+        return [rank]
+    low = max(0, (rank * old_ranks) // ranks - 1)
+    high = min(old_ranks - 1, -(-((rank + 1) * old_ranks) // ranks))
+    return list(range(low, high + 1))
+
+
+# --- choosing what to resume from (collective) ---------------------------------------------
+
+_TEXT = 4096
+
+
+def _bcast_text(comm: MPI.Intracomm, text: str, root: int) -> str:
+    buf = np.zeros(_TEXT, dtype=np.uint8)
+    if comm.Get_rank() == root:
+        raw = text.encode()[:_TEXT]
+        buf[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    comm.Bcast([buf, MPI.BYTE], root=root)
+    return buf.tobytes().rstrip(b"\0").decode()
+
+
+def _warn(line: str) -> None:
+    log.warning(line)
+    print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
+def choose_checkpoint(
+    run_dir: Path,
+    comm: MPI.Intracomm,
+    leader: int,
+    needed_parts: Callable[[dict], list[str]],
+) -> Path | None:
+    """The newest checkpoint whose parts every rank needs are present and verified, agreed by
+    every rank of ``comm``; None if the run has none. Each bad part is reported in one line
+    by the leader and its checkpoint skipped; CheckpointError if every one is bad.
+
+    ``needed_parts(manifest)``: the parts this rank will read (it verifies just those)."""
+    rank = comm.Get_rank()
+    candidates = [str(p) for p in list_checkpoints(run_dir)] if rank == leader else []
+    count = np.array([len(candidates)], dtype=np.int64)
+    comm.Bcast([count, MPI.INT64_T], root=leader)
+    for i in range(int(count[0])):
+        folder = Path(_bcast_text(comm, candidates[i] if rank == leader else "", leader))
+        error = ""
+        try:
+            manifest = read_manifest(folder)
+            check_parts(folder, manifest, needed_parts(manifest), verify=True)
+        except CheckpointError as exc:
+            error = str(exc)
+        mine = np.zeros(_TEXT, dtype=np.uint8)
+        raw = error.encode()[:_TEXT]
+        mine[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        every = np.zeros((comm.Get_size(), _TEXT), dtype=np.uint8)
+        comm.Allgather([mine, MPI.BYTE], [every, MPI.BYTE])
+        errors = sorted({row.tobytes().rstrip(b"\0").decode() for row in every} - {""})
+        if not errors:
+            return folder
+        if rank == leader:
+            for line in errors:
+                _warn(f"{line}; trying an older checkpoint")
+    if count[0]:
+        raise CheckpointError(
+            f"no valid checkpoint in {run_dir / CHECKPOINT_DIR}: all {int(count[0])} failed "
+            "verification (see the warnings); move them away to start over"
+        )
+    return None
+
+
+# --- reading a trainer rank's rows -------------------------------------------------------
+
+
+class ShardedReader:
+    """A trainer rank's view of the trainer parts of one checkpoint: the rows it asks for of
+    any tensor, read from the old parts that hold them (``rows``); small values from part 0
+    (``get``, ``keys``). Keeps one tensor's old shards in memory at a time."""
+
+    def __init__(self, folder: Path, manifest: dict, parts: list[int]):
+        self.folder, self.manifest = folder, manifest
+        self.readers: dict[int, CheckpointReader] = {}
+        self.layouts: dict[int, dict] = {}
+        for k in sorted(set(parts) | {0}):
+            reader = CheckpointReader(folder / trainer_part(k)).__enter__()
+            self.readers[k] = reader
+            self.layouts[k] = reader.get("layout") or {}
+
+    def close(self) -> None:
+        for reader in self.readers.values():
+            reader.__exit__()
+
+    def __enter__(self) -> ShardedReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def get(self, *path: str | int) -> Any:
+        return self.readers[0].get(*path)
+
+    def keys(self, *path: str | int) -> list[str | int] | None:
+        return self.readers[0].keys(*path)
+
+    def rows(self, path: tuple, rows: slice) -> torch.Tensor:
+        """Rows [rows.start, rows.stop) of the whole tensor at ``path`` (its first dim)."""
+        key = "/".join(str(p) for p in path)
+        pieces = []
+        for k, reader in self.readers.items():
+            entry = self.layouts[k].get(key)
+            if entry is None:
+                continue
+            start, local = entry[0], reader.get(*path)
+            end = start + (local.shape[0] if local.dim() else 0)
+            low, high = max(start, rows.start), min(end, rows.stop)
+            if low < high:
+                pieces.append((low, local[low - start : high - start]))
+        pieces.sort(key=lambda item: item[0])
+        got = sum(p.shape[0] for _, p in pieces)
+        if got != rows.stop - rows.start:
+            raise CheckpointError(
+                f"checkpoint {self.folder}: rows {rows.start}:{rows.stop} of {key} are not "
+                f"all in the trainer parts read ({sorted(self.readers)}); got {got}"
+            )
+        return torch.cat([p for _, p in pieces]) if pieces else torch.zeros(0)
+
+    def shape(self, path: tuple) -> tuple[int, ...] | None:
+        """The whole tensor's shape at ``path`` (from part 0's layout), or None."""
+        entry = self.layouts[0].get("/".join(str(p) for p in path))
+        return tuple(entry[1:]) if entry else None
+
+
+def read_full(folder: Path, section: str) -> dict[str, torch.Tensor]:
+    """Every whole tensor of ``section`` (e.g. "model"), assembled from the trainer parts:
+    for tools and tests (export, inspection); a running rank uses ``ShardedReader.rows``."""
+    manifest = read_manifest(folder)
+    parts = [int(n[len("trainer") : -3]) for n in manifest["parts"] if n.startswith("trainer")]
+    with ShardedReader(folder, manifest, parts) as reader:
+        out = {}
+        for name in reader.keys(section) or []:
+            shape = reader.shape((section, name))
+            out[name] = reader.rows((section, name), slice(0, shape[0])).reshape(shape)
+        return out
