@@ -366,7 +366,15 @@ def _check_combinations(cfg: Config) -> None:
             f"{cfg.algorithm.rollout_is}: the importance weights would compare the rollout's "
             "log-probs with themselves (all 1); drop one of the two"
         )
-    rollout = cfg.slurm.rollout
+    _check_gpu_layout(cfg)
+
+
+def _check_gpu_layout(cfg: Config) -> None:
+    """Each Slurm rank gets its own GPUs: a rollout rank tensor_parallel_size, a trainer
+    rank one, every requested GPU in one rank's set (launch/gpus.py). Raises ConfigError."""
+    from hpc_asyncppo.launch.gpus import ROLLOUT, TRAINER, layout_problem
+
+    rollout, train = cfg.slurm.rollout, cfg.slurm.train
     if rollout.gpus_per_node:
         gpus_per_rank = rollout.gpus_per_node // rollout.tasks_per_node
         if cfg.rollout.tensor_parallel_size > gpus_per_rank:
@@ -376,6 +384,18 @@ def _check_combinations(cfg: Config) -> None:
                 f"{rollout.gpus_per_node} over {rollout.tasks_per_node} ranks per node); lower it "
                 "or set slurm.rollout.ntasks_per_node to gpus_per_node / tensor_parallel_size"
             )
+    for role, c in ((ROLLOUT, rollout), (TRAINER, train)):
+        problem = layout_problem(
+            role, c.tasks_per_node, c.gpus_per_node, cfg.rollout.tensor_parallel_size
+        )
+        if problem:
+            raise ConfigError(problem)
+    if bool(rollout.gpus_per_node) != bool(train.gpus_per_node):
+        # One side on CPUs would put NCCL and gloo ranks in one weight-broadcast group.
+        raise ConfigError(
+            f"GPUs on one component only (slurm.rollout.gpus_per_node={rollout.gpus_per_node}, "
+            f"slurm.train.gpus_per_node={train.gpus_per_node}): request GPUs for both, or neither"
+        )
 
 
 def config_warnings(cfg: Config) -> list[str]:

@@ -170,7 +170,8 @@ def test_combinations_that_can_be_right_load_with_a_warning():
     assert [w for w in config_warnings(cfg) if "truncated" in w]
     # two GPUs per rank for TP 2: fine
     load_config(overrides=[*vllm, "rollout.tensor_parallel_size=2",
-                           "slurm.rollout.gpus_per_node=4", "slurm.rollout.ntasks_per_node=2"])  # fmt: skip
+                           "slurm.rollout.gpus_per_node=4", "slurm.rollout.ntasks_per_node=2",
+                           "slurm.train.gpus_per_node=1"])  # fmt: skip
     assert config_warnings(load_config()) == []
 
 
