@@ -375,6 +375,9 @@ def _check_gpu_layout(cfg: Config) -> None:
     from hpc_asyncppo.launch.gpus import ROLLOUT, TRAINER, layout_problem
 
     rollout, train = cfg.slurm.rollout, cfg.slurm.train
+    if min(rollout.gpus_per_node, train.gpus_per_node, rollout.ntasks_per_node,
+           train.ntasks_per_node) < 0:  # fmt: skip
+        return  # launch/slurm/checks.py refuses negative counts, naming the key
     if rollout.gpus_per_node:
         gpus_per_rank = rollout.gpus_per_node // rollout.tasks_per_node
         if cfg.rollout.tensor_parallel_size > gpus_per_rank:
