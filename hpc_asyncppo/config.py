@@ -77,6 +77,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # vllm on GPUs: GPU memory share for weights + KV
     cpu_kv_cache_gb: float = 1.0  # vllm on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE unless set)
     enforce_eager: bool = False  # vllm on GPUs: no CUDA graphs (always eager on CPU)
+    max_num_seqs: int = 0  # vllm: most sequences in one engine step; 0: vLLM's default
+    max_num_batched_tokens: int = 0  # vllm: most tokens in one engine step; 0: vLLM's default
+    enable_prefix_caching: bool = True  # vllm: reuse KV blocks of shared prompt prefixes
     record_sent_groups: bool = False  # each rollout rank logs every group it sends (tests)
 
 
@@ -264,6 +267,8 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "rollout.tensor_parallel_size": (1, False),
     "rollout.gpu_memory_utilization": (0, True),
     "rollout.cpu_kv_cache_gb": (0, True),
+    "rollout.max_num_seqs": (0, False),
+    "rollout.max_num_batched_tokens": (0, False),
     "actor.lr": (0, True),
     "actor.weight_decay": (0, False),
     "actor.ppo_mini_batch_size": (1, False),
@@ -365,6 +370,13 @@ def _check_combinations(cfg: Config) -> None:
             f"async_training.use_rollout_log_probs=true with algorithm.rollout_is="
             f"{cfg.algorithm.rollout_is}: the importance weights would compare the rollout's "
             "log-probs with themselves (all 1); drop one of the two"
+        )
+    seqs, tokens = cfg.rollout.max_num_seqs, cfg.rollout.max_num_batched_tokens
+    if seqs and tokens and tokens < seqs:
+        # vLLM refuses it at engine start: every sequence in a step needs one token at least.
+        raise ConfigError(
+            f"rollout.max_num_batched_tokens={tokens} is below rollout.max_num_seqs={seqs}: "
+            "raise it to max_num_seqs or more (or lower max_num_seqs)"
         )
     _check_gpu_layout(cfg)
 

@@ -41,6 +41,8 @@ def test_override_types_are_converted():
             "async_training.mode='chaos' is not one of: fully_async, sync",
         ),
         ("rollout.n=0", "rollout.n=0 must be >= 1"),
+        ("rollout.max_num_seqs=-1", "rollout.max_num_seqs=-1 must be >= 0"),
+        ("rollout.max_num_batched_tokens=-8", "rollout.max_num_batched_tokens=-8 must be >= 0"),
         ("actor.clip_ratio_c=1", "actor.clip_ratio_c=1.0 must be > 1"),
         ("rollout.top_p=1.5", "rollout.top_p=1.5 must be <= 1.0"),
         ("async_training.staleness_threshold=-0.1", "must be >= 0"),
@@ -146,6 +148,10 @@ def test_engine_specific_settings_are_checked(overrides, expected):
             "truncated distribution",
         ),  # fmt: skip
         (["async_training.use_rollout_log_probs=true", "algorithm.rollout_is=sequence"], "all 1"),
+        (
+            ["rollout.max_num_seqs=64", "rollout.max_num_batched_tokens=32"],
+            "max_num_batched_tokens=32 is below rollout.max_num_seqs=64",
+        ),
         (
             [
                 "rollout.engine=vllm",
