@@ -210,9 +210,8 @@ def check_weight_sync_via_host(device: torch.device, work: Path, steps: int = 30
     leader = {r["version"]: r["digest"] for r in read_jsonl(run_dir / "weights" / "rank1.jsonl")}
     mine = {r["version"]: r["digest"] for r in read_jsonl(run_dir / "weights" / "rank0.jsonl")}
     assert mine == leader and leader, f"rollout digests differ from the trainer's ({len(leader)})"
-    return (
-        f"{len(leader)} syncs bit-exact through host memory, both roles on GPUs {ranks[0]['gpus']}"
-    )
+    where = f"GPUs {ranks[0]['gpus']}" if ranks[0]["gpus"] else "the CPU"
+    return f"{len(leader)} syncs bit-exact through host memory, both roles on {where}"
 
 
 CHECKS: dict[str, Callable[[torch.device, Path], str]] = {
@@ -254,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         print(f"gpu_check: torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs {names}")
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # one line per check, nothing between
     work = Path(args.work or tempfile.mkdtemp(prefix="gpu_check_"))
     work.mkdir(parents=True, exist_ok=True)
     return 1 if run_checks(device, work, args.only) else 0
