@@ -84,10 +84,12 @@ def gpu_set(
         return []
     need = gpus_per_rank(role, tensor_parallel_size)
     devices = list(range(len(visible))) if visible is not None else list(range(gpus_per_node))
+    if len(devices) == need:
+        # Slurm bound exactly this task's set (--gpus-per-task): whatever SLURM_LOCALID
+        # says (it counts the tasks of both components where they share a node).
+        return devices
     if not 0 <= local_rank < tasks_per_node:
         raise GpuLayoutError(f"local rank {local_rank} is not one of {tasks_per_node} per node")
-    if len(devices) == need:
-        return devices  # Slurm bound exactly this task's set (--gpus-per-task)
     if tasks_per_node * need > len(devices):
         raise GpuLayoutError(
             f"{tasks_per_node} {role} rank(s) per node need {need} GPU(s) each but the node "
