@@ -55,14 +55,12 @@ def layout_problem(role: str, tasks_per_node: int, gpus_per_node: int, tp: int) 
         return None
     key = "rollout" if role == ROLLOUT else "train"
     each = f"rollout.tensor_parallel_size={tp} GPU(s) each" if role == ROLLOUT else "one GPU each"
-    fix = (
-        f"set slurm.{key}.ntasks_per_node={gpus_per_node // need}"
-        if gpus_per_node % need == 0
-        else f"set slurm.{key}.gpus_per_node to a multiple of {need}"
-    )
+    fix = f"set slurm.{key}.gpus_per_node={used}"
+    if gpus_per_node % need == 0:
+        fix = f"set slurm.{key}.ntasks_per_node={gpus_per_node // need} (or {fix[4:]})"
     return (
         f"slurm.{key}: {tasks_per_node} {role} rank(s) per node x {each} = {used} GPU(s), but "
-        f"slurm.{key}.gpus_per_node={gpus_per_node}: {fix} (or slurm.{key}.gpus_per_node={used})"
+        f"slurm.{key}.gpus_per_node={gpus_per_node}: {fix}"
     )
 
 
@@ -85,8 +83,8 @@ def gpu_set(
     need = gpus_per_rank(role, tensor_parallel_size)
     devices = list(range(len(visible))) if visible is not None else list(range(gpus_per_node))
     if len(devices) == need:
-        # Slurm bound exactly this task's set (--gpus-per-task): whatever SLURM_LOCALID
-        # says (it counts the tasks of both components where they share a node).
+        # Slurm bound exactly this task's set (--gpus-per-task): keep it, whatever
+        # SLURM_LOCALID says (it need not count this component's tasks only).
         return devices
     if not 0 <= local_rank < tasks_per_node:
         raise GpuLayoutError(f"local rank {local_rank} is not one of {tasks_per_node} per node")

@@ -104,6 +104,8 @@ def test_layout_problem_names_the_key_to_change() -> None:
         "(or slurm.rollout.gpus_per_node=16)"
     )
     assert "slurm.train.ntasks_per_node=8" in layout_problem("trainer", 4, 8, 1)
+    # 6 GPUs cannot split into TP-4 sets: only the GPU count can change
+    assert layout_problem("rollout", 1, 6, 4).endswith(": set slurm.rollout.gpus_per_node=4")
 
 
 @pytest.mark.parametrize(
