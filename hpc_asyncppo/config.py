@@ -109,6 +109,9 @@ class ActorConfig:
     )
     log_prob_chunk_tokens: int = 1024  # tokens whose full-vocabulary logits exist at once (fp32)
     gradient_checkpointing: bool = False  # recompute decoder-layer activations in the backward
+    recompute_old_log_probs: bool = (
+        False  # a separate old-log-prob pass even when the training forward's equal it
+    )
     lr_warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to actor.lr
     lr_scheduler: str = (
         "constant"  # constant | cosine (to actor.lr * min_lr_ratio at the last step)

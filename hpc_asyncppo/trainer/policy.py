@@ -460,6 +460,20 @@ def mini_batch_plans(policy: Policy, batch: dict[str, torch.Tensor]) -> list[lis
     return plans
 
 
+def old_log_probs_from_training(cfg: Config) -> bool:
+    """Whether the old log-probs can come from the training forward itself: with one
+    optimizer step per trainer step (one epoch, one mini-batch) every micro-batch's forward
+    runs on the weights before the update, so a separate no-grad pass would compute the same
+    numbers; with a value head that pass runs anyway (the old values), so it is kept."""
+    return (
+        cfg.actor.ppo_epochs == 1
+        and cfg.async_training.require_batches == 1
+        and not cfg.async_training.use_rollout_log_probs
+        and cfg.algorithm.adv_estimator != "gae"
+        and not cfg.actor.recompute_old_log_probs
+    )
+
+
 def _pieces(plans: list[list[np.ndarray]]) -> Iterator[np.ndarray]:
     for plan in plans:
         yield from plan
@@ -470,23 +484,33 @@ def reference_quantities(
     policy: Policy, batch: dict[str, torch.Tensor], plans: list[list[np.ndarray]]
 ) -> dict[str, torch.Tensor]:
     """Before any update of the step: old log-probs, ref log-probs, values, advantages,
-    returns and importance weights, each (B, L), computed micro-batch by micro-batch."""
+    returns and importance weights, each (B, L), computed micro-batch by micro-batch.
+
+    Old log-probs (and the importance weights made from them) are left out when the
+    training forward's own log-probs equal them (``old_log_probs_from_training``): then
+    only the reference model, if any, runs here."""
     cfg = policy.cfg
     mask = batch["response_mask"]
-    out: dict[str, torch.Tensor] = {"old_log_probs": torch.zeros_like(mask)}
+    own_pass = not old_log_probs_from_training(cfg)
+    out: dict[str, torch.Tensor] = {}
+    if own_pass:
+        out["old_log_probs"] = torch.zeros_like(mask)
     if policy.value_head is not None:
         out["values"] = torch.zeros_like(mask)
     if policy.reference is not None:
         out["ref_log_probs"] = torch.zeros_like(mask)
+    if not out:
+        plans = []
     for rows in _pieces(plans):
         if rows.size == 0:
             rows = np.zeros(1, dtype=np.int64)  # an empty micro-batch still joins the collectives
         mb = trim(batch, rows)
         width = mb["response_ids"].shape[1]
         index = torch.as_tensor(rows, device=mask.device)
-        log_probs, _, values = policy.forward(mb, with_values=policy.value_head is not None)
-        out["old_log_probs"][index, :width] = log_probs
-        if values is not None:
+        if own_pass:
+            log_probs, _, values = policy.forward(mb, with_values=policy.value_head is not None)
+            out["old_log_probs"][index, :width] = log_probs
+        if own_pass and values is not None:
             out["values"][index, :width] = values
         if policy.reference is not None:
             out["ref_log_probs"][index, :width] = policy.forward(mb, reference=True)[0].float()
@@ -504,7 +528,7 @@ def reference_quantities(
         out["advantages"] = algos.whiten_with(raw, moments)
     else:
         out["advantages"] = algos.token_advantages(batch["advantages"], mask)
-    if cfg.algorithm.rollout_is != "none":
+    if cfg.algorithm.rollout_is != "none" and "old_log_probs" in out:
         out["is_weights"] = algos.rollout_importance_weights(
             out["old_log_probs"], batch["rollout_log_probs"], mask,
             cfg.algorithm.rollout_is, cfg.algorithm.rollout_is_threshold,
@@ -522,6 +546,13 @@ def micro_batch_loss(
     log_probs, entropy, values = policy.forward(
         mb, with_entropy=actor.entropy_coeff > 0, with_values=policy.value_head is not None
     )
+    if "old_log_probs" not in mb:  # this forward runs on the weights before the update
+        mb = {**mb, "old_log_probs": log_probs.detach()}
+        if cfg.algorithm.rollout_is != "none":
+            mb["is_weights"] = algos.rollout_importance_weights(
+                mb["old_log_probs"], mb["rollout_log_probs"], m,
+                cfg.algorithm.rollout_is, cfg.algorithm.rollout_is_threshold,
+            )  # fmt: skip
     loss, pg_stats = algos.policy_loss(
         log_probs, mb["old_log_probs"], mb["advantages"], m,
         actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c, actor.loss_agg_mode,

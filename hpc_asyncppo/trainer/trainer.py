@@ -76,6 +76,8 @@ class TrainerLeader:
         self.queue = SpillQueue(run_dir / "overflow.h5", cfg.buffer.memory_limit_mb)
         self.version = 0
         self.step = 0
+        self.synced_step = 0  # the step after which the current version's weights were sent
+        self.unsynced_steps = False  # restored weights trained past their version's broadcast
         self.samples_trained = 0
         self.samples_dropped = 0
         self.idle_s = 0.0
@@ -95,7 +97,9 @@ class TrainerLeader:
 
     # --- the loop -----------------------------------------------------------------------
     def run(self) -> None:
-        self.sync_weights(self.version)
+        # A version names one weight set: weights restored from a checkpoint taken between
+        # two syncs are not those broadcast as the checkpoint's version, so they go out anew.
+        self.sync_weights(self.version + 1 if self.unsynced_steps else self.version)
         self.started_at = time.monotonic()
         stopped_by = None
         while self.step < self.cfg.trainer.total_steps:
@@ -206,7 +210,7 @@ class TrainerLeader:
             specs=self.policy.weight_specs(),
             on_tensor=digest.add if digest else None,
         )
-        self.version = version
+        self.version, self.synced_step = version, self.step
         self.credits.synced()
         if digest is not None:
             runlog.record_weight_digest(
@@ -299,6 +303,7 @@ class TrainerLeader:
         meta = {
             "step": self.step,
             "param_version": self.version,
+            "synced_step": self.synced_step,
             "samples_trained": self.samples_trained,
             "samples_dropped": self.samples_dropped,
             "groups_trained": self.credits.trained,
@@ -356,6 +361,7 @@ class TrainerLeader:
             self.queue.extend(reader.get("queue") or [])
             set_rng_state(reader.get("rng", f"rank{self.topo.world_rank}"))
         self.step, self.version = meta["step"], meta["param_version"]
+        self.unsynced_steps = meta.get("synced_step", -1) != self.step
         self.samples_trained, self.samples_dropped = (
             meta["samples_trained"],
             meta["samples_dropped"],

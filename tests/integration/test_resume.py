@@ -171,3 +171,27 @@ def test_slow_trainer_spills_to_the_overflow_file_and_loses_nothing(tmp_path):
     assert json.loads(json.dumps(metrics[-1]))["samples/dropped"] == sum(
         r["reason"] == "stale" for r in dropped
     )
+
+
+def test_after_a_resume_every_version_names_one_weight_set(tmp_path):
+    """A checkpoint between two syncs holds weights trained past the last broadcast version:
+    the resumed run broadcasts them as a new version, so no version names two weight sets."""
+    run_dir = tmp_path / "run"
+    args = [*SMALL, "trainer.total_steps=3", "async_training.trigger_parameter_sync_step=2",
+            "checkpoint.save_every=0", "trainer.record_weight_digests=true"]  # fmt: skip
+    assert submit("--run-dir", str(run_dir), *args).returncode == 0
+    resumed = submit("--resume", str(run_dir), "trainer.total_steps=6")
+    assert resumed.returncode == 0, resumed.stderr
+    leader = read_jsonl(run_dir / "weights" / "rank1.jsonl")
+    digests: dict[int, set[str]] = collections.defaultdict(set)
+    for row in leader:
+        digests[row["version"]].add(row["digest"])
+    assert all(len(d) == 1 for d in digests.values()), digests
+    # 0, 1 (after step 2), the resume's 2 (step 3's weights), 3 and 4 (after steps 4 and 6)
+    assert sorted(digests) == [0, 1, 2, 3, 4]
+    rollout = read_jsonl(run_dir / "weights" / "rank0.jsonl")
+    assert {(r["version"], r["digest"]) for r in rollout} == {
+        (r["version"], r["digest"]) for r in leader
+    }
+    trained = read_jsonl(run_dir / "trained_samples.jsonl")
+    assert {r["param_version_start"] for r in trained} <= set(digests)

@@ -219,3 +219,30 @@ def test_state_bytes_count_weights_gradients_and_adam_moments(tiny_model_dir):
     # fp32 weights + grads + exp_avg + exp_avg_sq, plus one scalar "step" per tensor
     steps = len(list(p.module.parameters())) * 4
     assert p.state_bytes() == 16 * params + steps
+
+
+@pytest.mark.parametrize("rollout_is", ["none", "token"])
+def test_old_log_probs_from_the_training_forward_give_the_same_loss_and_gradients(
+    tiny_model_dir, rollout_is
+):
+    """With one optimizer step per trainer step the separate old-log-prob pass is skipped:
+    the training forward's own (detached) log-probs give the same loss and gradients."""
+    batch = to_tensors(make_batch(), CPU)
+    results = []
+    for recompute in (True, False):
+        p = one_rank_policy(
+            tiny_model_dir,
+            actor={"recompute_old_log_probs": recompute, "ppo_micro_batch_size_per_gpu": 4},
+            algorithm={"rollout_is": rollout_is},
+        )
+        plans = mini_batch_plans(p, batch)
+        ref = reference_quantities(p, batch, plans)
+        assert ("old_log_probs" in ref) == recompute
+        stats = accumulate_gradients(p, {**batch, **ref}, plans[0])
+        results.append((stats, full_gradients(p)))
+    (stats_a, grads_a), (stats_b, grads_b) = results
+    assert stats_a.keys() == stats_b.keys()
+    for key in stats_a:
+        assert torch.allclose(stats_a[key], stats_b[key], rtol=1e-6, atol=1e-9), key
+    for name in grads_a:
+        np.testing.assert_allclose(grads_a[name], grads_b[name], rtol=1e-6, atol=1e-9, err_msg=name)
