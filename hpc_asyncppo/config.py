@@ -77,6 +77,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # vllm on GPUs: GPU memory share for weights + KV
     cpu_kv_cache_gb: float = 1.0  # vllm on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE unless set)
     enforce_eager: bool = False  # vllm on GPUs: no CUDA graphs (always eager on CPU)
+    max_num_seqs: int = 0  # vllm: most sequences in one engine step; 0: vLLM's default
+    max_num_batched_tokens: int = 0  # vllm: most tokens in one engine step; 0: vLLM's default
+    enable_prefix_caching: bool = True  # vllm: reuse KV blocks of shared prompt prefixes
     record_sent_groups: bool = False  # each rollout rank logs every group it sends (tests)
 
 
@@ -267,6 +270,8 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "rollout.tensor_parallel_size": (1, False),
     "rollout.gpu_memory_utilization": (0, True),
     "rollout.cpu_kv_cache_gb": (0, True),
+    "rollout.max_num_seqs": (0, False),
+    "rollout.max_num_batched_tokens": (0, False),
     "actor.lr": (0, True),
     "actor.weight_decay": (0, False),
     "actor.ppo_mini_batch_size": (1, False),
@@ -369,7 +374,25 @@ def _check_combinations(cfg: Config) -> None:
             f"{cfg.algorithm.rollout_is}: the importance weights would compare the rollout's "
             "log-probs with themselves (all 1); drop one of the two"
         )
-    rollout = cfg.slurm.rollout
+    seqs, tokens = cfg.rollout.max_num_seqs, cfg.rollout.max_num_batched_tokens
+    if seqs and tokens and tokens < seqs:
+        # vLLM refuses it at engine start: every sequence in a step needs one token at least.
+        raise ConfigError(
+            f"rollout.max_num_batched_tokens={tokens} is below rollout.max_num_seqs={seqs}: "
+            "raise it to max_num_seqs or more (or lower max_num_seqs)"
+        )
+    _check_gpu_layout(cfg)
+
+
+def _check_gpu_layout(cfg: Config) -> None:
+    """Each Slurm rank gets its own GPUs: a rollout rank tensor_parallel_size, a trainer
+    rank one, every requested GPU in one rank's set (launch/gpus.py). Raises ConfigError."""
+    from hpc_asyncppo.launch.gpus import ROLLOUT, TRAINER, layout_problem
+
+    rollout, train = cfg.slurm.rollout, cfg.slurm.train
+    if min(rollout.gpus_per_node, train.gpus_per_node, rollout.ntasks_per_node,
+           train.ntasks_per_node) < 0:  # fmt: skip
+        return  # launch/slurm/checks.py refuses negative counts, naming the key
     if rollout.gpus_per_node:
         gpus_per_rank = rollout.gpus_per_node // rollout.tasks_per_node
         if cfg.rollout.tensor_parallel_size > gpus_per_rank:
@@ -379,6 +402,18 @@ def _check_combinations(cfg: Config) -> None:
                 f"{rollout.gpus_per_node} over {rollout.tasks_per_node} ranks per node); lower it "
                 "or set slurm.rollout.ntasks_per_node to gpus_per_node / tensor_parallel_size"
             )
+    for role, c in ((ROLLOUT, rollout), (TRAINER, train)):
+        problem = layout_problem(
+            role, c.tasks_per_node, c.gpus_per_node, cfg.rollout.tensor_parallel_size
+        )
+        if problem:
+            raise ConfigError(problem)
+    if bool(rollout.gpus_per_node) != bool(train.gpus_per_node):
+        # One side on CPUs would put NCCL and gloo ranks in one weight-broadcast group.
+        raise ConfigError(
+            f"GPUs on one component only (slurm.rollout.gpus_per_node={rollout.gpus_per_node}, "
+            f"slurm.train.gpus_per_node={train.gpus_per_node}): request GPUs for both, or neither"
+        )
 
 
 def config_warnings(cfg: Config) -> list[str]:

@@ -1,6 +1,7 @@
 """GPU check of the vLLM rollout path: weight broadcast into vLLM and a few async steps.
 
-On a machine with CUDA GPUs and vLLM (bash scripts/gpu_check.sh runs tests/gpu first, then this):
+On a machine with CUDA GPUs and vLLM (bash scripts/gpu_check.sh runs hpc_asyncppo.gpu_check
+first, then this):
   1. with 2+ GPUs, a trainer process (cuda:1) broadcasts the weights with NCCL through the
      project's WeightBroadcaster to a rollout process (cuda:0), as in a run; with one GPU
      the rollout process makes the tensors itself (NCCL refuses two ranks on one device);

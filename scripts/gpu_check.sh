@@ -1,21 +1,34 @@
 #!/bin/bash
-# GPU checks, for a machine with CUDA GPUs (CI has none): the CUDA paths' tests
-# (tests/gpu: weight buckets, rollout vs trainer log-probs, checkpoints, the default job on
-# the GPU, NCCL with two GPUs), then scripts/gpu_check.py (vLLM on the GPU) if vLLM is
-# installed. Exit 0 only if everything that ran passed; 2 without CUDA.
+# GPU check that fits one short lease (under 8 minutes on one GPU; no network, no vLLM, no
+# Slurm needed): python -m hpc_asyncppo.gpu_check runs the CUDA paths, one line per check
+# and a summary line (FSDP2 bf16 step, checkpoint from/to the GPU, the default job learning
+# with both roles on one GPU, its weight sync through host memory, the GPU-binding function
+# under a fake 8-GPU node). Then, only if vLLM is importable, scripts/gpu_check.py (vLLM on
+# the GPU). Exit 0 only if everything that ran passed; 2 (one line) without CUDA.
 #
 #     bash scripts/gpu_check.sh            (PYTHON=... to choose the interpreter)
+#
+# The GPU machine needs torch (CUDA), transformers, mpi4py + mpirun and h5py. This
+# package's own code travels as the working tree; its pure-Python dependencies travel as
+# wheels in the git-ignored folder .gpu_check_wheels/, made beforehand on a machine with
+# network:
+#     pip download --no-deps -d .gpu_check_wheels omegaconf antlr4-python3-runtime==4.9.3 \
+#         submitit cloudpickle typing_extensions
+# This script installs them with pip --no-index --target into .gpu_check_site/ (also
+# git-ignored) and puts that and the working tree on PYTHONPATH; the ranks inherit it.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-"$PY" - <<'PYEOF' || exit 2
-import torch
-assert torch.cuda.is_available(), "gpu_check: no CUDA device: nothing run"
-names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-print(f"gpu_check: torch {torch.__version__}, CUDA {torch.version.cuda}, {len(names)} GPU(s): {names}")
-PYEOF
+if [ -d .gpu_check_wheels ] && ! [ -d .gpu_check_site ]; then
+    "$PY" -m pip install -q --no-index --no-deps --target .gpu_check_site .gpu_check_wheels/*.whl \
+        || { echo "gpu_check: cannot install .gpu_check_wheels/*.whl"; exit 1; }
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+[ -d .gpu_check_site ] && PYTHONPATH="$PYTHONPATH:$PWD/.gpu_check_site"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 HF_HUB_OFFLINE=1
 rc=0
-"$PY" -m pytest -m gpu tests/gpu -p no:cacheprovider -v -s -rs || rc=1
+"$PY" -m hpc_asyncppo.gpu_check "$@" || rc=$?
+[ "$rc" = 2 ] && exit 2  # no CUDA: the one line is printed, nothing else runs
 if "$PY" -c "import vllm" 2>/dev/null; then
     "$PY" scripts/gpu_check.py || rc=1
 else

@@ -41,6 +41,8 @@ def test_override_types_are_converted():
             "async_training.mode='chaos' is not one of: fully_async, sync",
         ),
         ("rollout.n=0", "rollout.n=0 must be >= 1"),
+        ("rollout.max_num_seqs=-1", "rollout.max_num_seqs=-1 must be >= 0"),
+        ("rollout.max_num_batched_tokens=-8", "rollout.max_num_batched_tokens=-8 must be >= 0"),
         ("actor.clip_ratio_c=1", "actor.clip_ratio_c=1.0 must be > 1"),
         ("rollout.top_p=1.5", "rollout.top_p=1.5 must be <= 1.0"),
         ("async_training.staleness_threshold=-0.1", "must be >= 0"),
@@ -147,6 +149,10 @@ def test_engine_specific_settings_are_checked(overrides, expected):
         ),  # fmt: skip
         (["async_training.use_rollout_log_probs=true", "algorithm.rollout_is=sequence"], "all 1"),
         (
+            ["rollout.max_num_seqs=64", "rollout.max_num_batched_tokens=32"],
+            "max_num_batched_tokens=32 is below rollout.max_num_seqs=64",
+        ),
+        (
             [
                 "rollout.engine=vllm",
                 "model.tiny.num_heads=2",
@@ -170,7 +176,8 @@ def test_combinations_that_can_be_right_load_with_a_warning():
     assert [w for w in config_warnings(cfg) if "truncated" in w]
     # two GPUs per rank for TP 2: fine
     load_config(overrides=[*vllm, "rollout.tensor_parallel_size=2",
-                           "slurm.rollout.gpus_per_node=4", "slurm.rollout.ntasks_per_node=2"])  # fmt: skip
+                           "slurm.rollout.gpus_per_node=4", "slurm.rollout.ntasks_per_node=2",
+                           "slurm.train.gpus_per_node=1"])  # fmt: skip
     assert config_warnings(load_config()) == []
 
 

@@ -36,23 +36,30 @@ def main(argv: list[str]) -> int:
         level=logging.INFO,
         format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s",
     )
+    gpus: list[int | str] | None = None
     try:
         role = role_of(rank, rollout_rank_count())
         write_rank_info(run_dir, rank, size, role, "starting")
+        from hpc_asyncppo.config import load_resolved
+        from hpc_asyncppo.launch.gpus import bind_gpus
+
+        cfg = load_resolved(run_dir / "config.yaml")
+        # Before anything initialises CUDA (transformers may, on import) and before vLLM
+        # starts: torch and vLLM's workers read CUDA_VISIBLE_DEVICES only once.
+        gpus = bind_gpus(cfg, rank, size, rollout_rank_count())
+        write_rank_info(run_dir, rank, size, role, "starting", gpus)
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
         from hpc_asyncppo.checkpoint.resume import find_resume_checkpoint
-        from hpc_asyncppo.config import load_resolved
         from hpc_asyncppo.launch.topology import build_topology, close_topology
 
-        cfg = load_resolved(run_dir / "config.yaml")
         topo = build_topology(rollout_rank_count(), cfg.timeouts.weight_sync_s)
         logging.getLogger(__name__).info(
             "%s rank on %s; weights travel via %s", role, topo.device, topo.sync_device
         )
         checkpoint = find_resume_checkpoint(run_dir, topo)
-        write_rank_info(run_dir, rank, size, role, "running")
+        write_rank_info(run_dir, rank, size, role, "running", gpus)
         if role == ROLLOUT:
             from hpc_asyncppo.rollout.rollouter import run_rollouter
 
@@ -62,7 +69,7 @@ def main(argv: list[str]) -> int:
 
             run_trainer(cfg, topo, run_dir, checkpoint)
         close_topology(topo)
-        write_rank_info(run_dir, rank, size, role, "done")
+        write_rank_info(run_dir, rank, size, role, "done", gpus)
         return 0
     except BaseException as exc:  # noqa: BLE001 - every failure must end the whole job
         logging.getLogger(__name__).error("rank %d failed:\n%s", rank, traceback.format_exc())
@@ -72,7 +79,7 @@ def main(argv: list[str]) -> int:
         message = f"rank {rank} ({role}, {host}): {type(exc).__name__}: {exc}"
         write_rank_error(run_dir, rank, message + "\n\n" + traceback.format_exc())
         print(message, file=sys.stderr, flush=True)
-        write_rank_info(run_dir, rank, size, role, "failed")
+        write_rank_info(run_dir, rank, size, role, "failed", gpus)
         MPI.COMM_WORLD.Abort(1)
         return 1
 

@@ -3,7 +3,7 @@
 RUN_DIR/config.yaml        the resolved config (the ranks read only this)
 RUN_DIR/model/             the tiny default model, when model.path was empty
 RUN_DIR/overlong_prompts.json  prompts left out for exceeding data.max_prompt_length (if any)
-RUN_DIR/ranks/rank{i}.json where each rank ran (host, Slurm partition, pid) and its state
+RUN_DIR/ranks/rank{i}.json where each rank ran (host, Slurm partition, pid, GPUs) and its state
 RUN_DIR/errors/rank{i}.txt one line per failed rank: what went wrong
 RUN_DIR/logs/              per-rank logs and the launcher's log
 RUN_DIR/checkpoints/       HDF5 checkpoints (hpc_asyncppo.checkpoint)
@@ -162,13 +162,23 @@ def _warn_on_stderr(line: str) -> None:
     print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
-def write_rank_info(run_dir: Path, rank: int, world_size: int, role: str, state: str) -> None:
+def write_rank_info(
+    run_dir: Path,
+    rank: int,
+    world_size: int,
+    role: str,
+    state: str,
+    gpus: list[int | str] | None = None,
+) -> None:
+    """``gpus``: the CUDA_VISIBLE_DEVICES entries the rank bound itself to ([]: CPU; None:
+    not known yet)."""
     from hpc_asyncppo.launch.slurm.placement import slurm_placement
 
     info = {
         "rank": rank,
         "world_size": world_size,
         "role": role,
+        "gpus": gpus,
         **slurm_placement(rank),  # host, and under Slurm the node, partition, job, het group
         "pid": os.getpid(),
         "state": state,

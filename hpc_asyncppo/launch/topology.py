@@ -6,10 +6,11 @@ leader. MPI: COMM_WORLD split by role, and an intercommunicator between the two 
 groups: the trainer ranks (gradient all-reduce) and {trainer leader} + rollout ranks
 (weight broadcast). The same layout under mpirun (local) and srun (one Slurm het step).
 
-With CUDA, each rank takes the GPU of its local rank and the groups use NCCL, which needs
-a GPU per rank. Where the weight-broadcast group shares a GPU (a rollout rank beside the
-trainer leader on a one-GPU workstation), that group uses gloo through host memory
-instead; trainer ranks sharing a GPU are refused with an error saying so.
+With CUDA, each rank works on the first GPU of the set it bound itself to (``gpus.py``:
+a rollout rank sees its tensor_parallel_size GPUs, a trainer rank one) and the groups use
+NCCL, which needs a GPU per rank. Where the weight-broadcast group shares a GPU (a rollout
+rank beside the trainer leader on a one-GPU workstation), that group uses gloo through
+host memory instead; trainer ranks sharing a GPU are refused with an error saying so.
 """
 
 from __future__ import annotations
@@ -162,7 +163,11 @@ def build_topology(rollout_ranks: int, timeout_s: float) -> Topology:
 def _pick_device() -> torch.device:
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    # One rank per GPU: srun with several tasks per node binds none, so pick by local rank.
+    if os.environ.get("HPC_ASYNCPPO_GPUS"):
+        # The rank bound itself to its GPU set (launch/gpus.py): its first is cuda:0.
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+    # Not bound (topology built outside launch/rank.py): pick by local rank.
     local_rank = (
         os.environ.get("SLURM_LOCALID") or os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK") or "0"
     )

@@ -17,8 +17,13 @@ Weights: the rollout rank receives the trainer's broadcast as before, then pushe
 tensors into the worker through vLLM's weight-transfer API (``start_weight_update``,
 ``update_weights``, ``finish_weight_update``): on CPU with our gloo engine
 (``vllm_worker.py``), on GPUs with vLLM's CUDA-IPC engine (the rollout rank and its vLLM
-worker share the GPU, and NCCL refuses two ranks on one device). The prefix cache is reset
-after every update: cached KV blocks hold keys and values of the old weights.
+worker share the GPU, and NCCL refuses two ranks on one device). With prefix caching on
+(``rollout.enable_prefix_caching``) the cache is reset after every update: cached KV
+blocks hold keys and values of the old weights.
+
+Capacity (``rollout.*``, verl's names): ``max_num_seqs`` and ``max_num_batched_tokens``
+per engine step (0: vLLM's defaults; chunked prefill stays on, so the token budget may be
+below the longest sequence), ``enable_prefix_caching``, ``enforce_eager`` (no CUDA graphs).
 
 Partial rollout: ``interrupt()`` aborts every running request and keeps its tokens and
 log-probs; the next ``step()`` after the weight update resubmits each one with its
@@ -59,6 +64,34 @@ def set_vllm_environment(device: torch.device, cpu_kv_cache_gb: float) -> None:
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     if device.type == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cpu_kv_cache_gb:g}")
+
+
+def engine_kwargs(
+    model: ModelConfig,
+    rollout: RolloutConfig,
+    device: torch.device,
+    max_prompt_length: int,
+    seed: int = 0,
+) -> dict:
+    """vLLM ``EngineArgs`` from the config (without the weight-transfer ones); a 0 capacity
+    knob is left out, so vLLM picks its default for the device."""
+    kwargs = dict(
+        model=model.path,
+        dtype=model.dtype,
+        seed=seed,
+        # a resumed response is prompt + partial response: at most this long
+        max_model_len=max_prompt_length + rollout.response_length,
+        enforce_eager=rollout.enforce_eager or device.type != "cuda",
+        tensor_parallel_size=rollout.tensor_parallel_size,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
+        enable_prefix_caching=rollout.enable_prefix_caching,
+        logprobs_mode="processed_logprobs",
+        disable_log_stats=True,
+    )
+    for key in ("max_num_seqs", "max_num_batched_tokens"):
+        if getattr(rollout, key):
+            kwargs[key] = getattr(rollout, key)
+    return kwargs
 
 
 @dataclass
@@ -102,20 +135,11 @@ class VLLMEngine:
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         )
         on_gpu = device.type == "cuda"
+        kwargs = engine_kwargs(model, rollout, device, max_prompt_length, seed)
         args = EngineArgs(
-            model=model.path,
-            dtype=model.dtype,
-            seed=seed,
-            # a resumed response is prompt + partial response: at most this long
-            max_model_len=max_prompt_length + rollout.response_length,
-            enforce_eager=rollout.enforce_eager or not on_gpu,
-            tensor_parallel_size=rollout.tensor_parallel_size,
-            gpu_memory_utilization=rollout.gpu_memory_utilization,
-            enable_prefix_caching=True,
-            logprobs_mode="processed_logprobs",
+            **kwargs,
             worker_extension_cls=WORKER_EXTENSION,
             weight_transfer_config={"backend": "ipc" if on_gpu else GLOO_BACKEND},
-            disable_log_stats=True,
         )
         self.llm = LLMEngine.from_engine_args(args)
         self.sampling = SamplingParams(
@@ -256,7 +280,8 @@ class VLLMEngine:
                 "load_weights with requests running: interrupt() or finish them first"
             )
         self.transfer.push(tensors)
-        self.llm.reset_prefix_cache()
+        if self.cfg.enable_prefix_caching:
+            self.llm.reset_prefix_cache()
         self.version = version
         if self.keep_loaded:
             self._loaded = {name: t.clone() for name, t in tensors.items()}

@@ -39,7 +39,10 @@ def test_tasks_per_node_defaults_to_one_per_gpu() -> None:
         ("slurm.train.gpus_per_node=-1", "slurm.train.gpus_per_node=-1 must be >= 0"),
         ("slurm.time=soon", "slurm.time='soon' is not a Slurm time limit"),
         ("slurm.train.mem=lots", "slurm.train.mem='lots' is not a memory size"),
-        ("slurm.gpu_request=gpus", "slurm.gpu_request='gpus' is not one of: gpus-per-node, gres"),
+        (
+            "slurm.gpu_request=gpus",
+            "slurm.gpu_request='gpus' is not one of: gpus-per-task, gpus-per-node, gres",
+        ),
         ("slurm.rollout.extra_sbatch=[exclusive]", "slurm.rollout.extra_sbatch entry 'exclusive'"),
         ("slurm.rollout.partition=a b", "slurm.rollout.partition='a b' is not a partition name"),
         ("slurm.rollout.gpu_type=a100", "needs slurm.rollout.gpus_per_node >= 1"),

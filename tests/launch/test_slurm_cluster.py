@@ -125,6 +125,7 @@ def test_tiny_run_completes_with_ranks_on_their_partitions(shared_dir: Path) -> 
         ("rollout", "n1", "rollout", "done"),
         ("trainer", "n2", "train", "done"),
     ]
+    assert [r["gpus"] for r in ranks] == [[], [], []]  # no GPUs requested: CPU ranks, unbound
     # It learns, as in local mode: the reward rises over the run.
     rewards = [r["reward/mean"] for r in rows]
     assert sum(rewards[-20:]) / 20 > sum(rewards[:20]) / 20 + 0.05, rewards

@@ -30,7 +30,7 @@ CASES: dict[str, list[str]] = {
     "local_cluster": ["slurm.rollout.partition=rollout", "slurm.train.partition=train"],
     # Defaults only: no partitions (cluster default), one task per node.
     "defaults": [],
-    # Every option: GPUs requested by --gpus-per-node, multi-node trainer, job-wide limits.
+    # Every option: GPUs requested per task (the default), multi-node trainer, job-wide limits.
     "gpus_all_options": [
         "slurm.rollout.partition=a100",
         "slurm.rollout.gpus_per_node=4",
@@ -61,13 +61,42 @@ CASES: dict[str, list[str]] = {
         "slurm.train.gpus_per_node=4",
         "slurm.train.gpu_type=h100",
     ],
+    # The shipped GPU configs as `submit --dry-run --config NAME` prints them.
+    "qwen2.5-0.5b-gsm8k": [],
+    "qwen2.5-7b-gsm8k": [],
+}
+CONFIG_OF = {
+    "local_cluster": "local-slurm",
+    "qwen2.5-0.5b-gsm8k": "qwen2.5-0.5b-gsm8k",
+    "qwen2.5-7b-gsm8k": "qwen2.5-7b-gsm8k",
 }
 
 
 def _script(name: str) -> str:
-    config = "local-slurm" if name == "local_cluster" else None
-    cfg = load_config(config, CASES[name])
+    cfg = load_config(CONFIG_OF.get(name), CASES[name])
     return batch_script(cfg.slurm, RUN_DIR, python="/shared/venv/bin/python")
+
+
+@pytest.mark.parametrize(
+    ("name", "rollout_per_task", "train_per_task"),
+    [("qwen2.5-0.5b-gsm8k", 1, 1), ("qwen2.5-7b-gsm8k", 2, 1)],
+)
+def test_qwen_scripts_give_each_task_its_own_gpus(
+    name: str, rollout_per_task: int, train_per_task: int
+) -> None:
+    """Each rollout task its tensor_parallel_size GPUs, each trainer task one: tasks x
+    GPUs per task is the node's GPUs, and no other GPU request competes with it."""
+    cfg = load_config(name)
+    assert cfg.rollout.tensor_parallel_size == rollout_per_task
+    before, after = _script(name).split("#SBATCH hetjob\n")
+    for part, c, per in (
+        (before, cfg.slurm.rollout, rollout_per_task),
+        (after, cfg.slurm.train, train_per_task),
+    ):
+        assert f"#SBATCH --ntasks-per-node={c.tasks_per_node}\n" in part
+        assert f"#SBATCH --gpus-per-task={per}\n" in part
+        assert c.tasks_per_node * per == c.gpus_per_node
+        assert "--gpus-per-node" not in part and "--gres" not in part
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -83,7 +112,8 @@ def test_components_in_order_and_one_het_step() -> None:
     text = _script("gpus_all_options")
     before, after = text.split("#SBATCH hetjob\n")
     assert "--partition=a100" in before and "--partition=h100" in after
-    assert "--gpus-per-node=a100:4" in before and "--gpus-per-node=8" in after
+    # 4 GPUs over 4 rollout tasks, 8 over 8 trainer tasks: one GPU set per task
+    assert "--gpus-per-task=a100:1" in before and "--gpus-per-task=1" in after
     assert "--exclusive" in after and "--exclusive" not in before
     # Job-wide limits hold for each component.
     for part in (before, after):

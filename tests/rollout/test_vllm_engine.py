@@ -30,6 +30,7 @@ TOLERANCE = 1e-4  # fp32, vLLM's oneDNN kernels against transformers' eager ones
 RESPONSE_LENGTH = 24
 MAX_PROMPT = 160  # room for a prompt longer than one KV block (128 tokens on CPU)
 N = 4
+MAX_NUM_SEQS = 8
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,13 @@ def make_cfg(model_dir: Path, temperature: float) -> Config:
         Config(),
         model=ModelConfig(path=str(model_dir)),
         rollout=RolloutConfig(
-            engine="vllm", temperature=temperature, response_length=RESPONSE_LENGTH, n=N
+            engine="vllm",
+            temperature=temperature,
+            response_length=RESPONSE_LENGTH,
+            n=N,
+            # capacity knobs set, so the tests run through them: 12 sequences queue for 8 slots
+            max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=256,
         ),
     )
 
@@ -97,6 +104,24 @@ def prompts_for(engine) -> list[list[int]]:
     long = engine.encode(" ".join(str(i * 7 % 10) for i in range(140)) + " =")
     assert len(long) <= MAX_PROMPT
     return [engine.encode("1 2 3 4 ="), engine.encode("9 ="), long]
+
+
+def test_capacity_knobs_reach_vllm(engine):
+    scheduler = engine.llm.vllm_config.scheduler_config
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (MAX_NUM_SEQS, 256)
+    assert engine.llm.vllm_config.cache_config.enable_prefix_caching
+
+
+def test_engine_kwargs_leave_zero_knobs_to_vllm(model_dir):
+    from hpc_asyncppo.rollout.vllm_engine import engine_kwargs
+
+    rollout = RolloutConfig(engine="vllm", enable_prefix_caching=False, enforce_eager=False)
+    kwargs = engine_kwargs(ModelConfig(path=str(model_dir)), rollout, CPU, 16)
+    assert "max_num_seqs" not in kwargs and "max_num_batched_tokens" not in kwargs
+    assert kwargs["enable_prefix_caching"] is False
+    assert kwargs["enforce_eager"] is True  # always eager on CPU
+    gpu = engine_kwargs(ModelConfig(path="m"), rollout, torch.device("cuda", 0), 16)
+    assert gpu["enforce_eager"] is False and gpu["max_model_len"] == 16 + rollout.response_length
 
 
 def test_kv_block_is_shorter_than_the_long_prompt(engine):

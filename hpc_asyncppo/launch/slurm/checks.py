@@ -12,7 +12,7 @@ from hpc_asyncppo.launch.slurm.cluster import Partition
 from hpc_asyncppo.launch.slurm.options import ComponentConfig, SlurmConfig
 
 COMPONENTS = ("rollout", "train")
-GPU_REQUESTS = ("gpus-per-node", "gres")
+GPU_REQUESTS = ("gpus-per-task", "gpus-per-node", "gres")
 # Flag that sets each component key, so that messages can say what to change.
 FLAGS = {"partition": "--partition-{c}", "nodes": "--nodes-{c}"}
 

@@ -17,7 +17,7 @@ class ComponentConfig:
     nodes: int = 1  # nodes of this component
     ntasks_per_node: int = 0  # ranks per node; 0: one per GPU (gpus_per_node), or 1 without GPUs
     gpus_per_node: int = 0  # GPUs per node; 0: ask for none
-    gpu_type: str = ""  # GPU type in the request (a100 -> --gpus-per-node=a100:4); empty: any type
+    gpu_type: str = ""  # GPU type in the request (a100 -> --gpus-per-task=a100:2); empty: any type
     cpus_per_task: int = 0  # CPUs per rank (--cpus-per-task); 0: the partition's default
     mem: str = ""  # memory per node (--mem), e.g. 200G; "0": all of it; empty: partition default
     constraint: str = ""  # node features (--constraint), e.g. "a100&ib"; empty: none
@@ -41,7 +41,9 @@ class SlurmConfig:
     time: str = ""  # time limit (minutes, HH:MM:SS or D-HH:MM:SS); empty: the partition's default
     account: str = ""  # account charged (--account); empty: your default account
     qos: str = ""  # quality of service (--qos); empty: the default QOS
-    gpu_request: str = "gpus-per-node"  # how GPUs are asked: gpus-per-node | gres (--gres=gpu:N)
+    # How GPUs are asked: gpus-per-task (Slurm binds each rank's own GPUs) | gpus-per-node |
+    # gres (--gres=gpu:N; the last two: each rank picks its GPUs by SLURM_LOCALID itself).
+    gpu_request: str = "gpus-per-task"
     mpi: str = "pmix"  # srun --mpi plugin (srun --mpi=list shows the cluster's)
     signal: str = "USR2@90"  # warning signal before the time limit (--signal): the ranks checkpoint and requeue; empty: none
     extra_sbatch: list[str] = field(default_factory=list)  # more #SBATCH options for the whole job

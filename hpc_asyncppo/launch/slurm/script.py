@@ -54,12 +54,27 @@ fi
 
 
 def _gpu_option(cfg: SlurmConfig, c: ComponentConfig) -> list[str]:
+    """The GPU request of one component; none without GPUs (the local test cluster has none).
+
+    Default (gpus-per-task): each task's own set, tensor_parallel_size GPUs per rollout task
+    and one per trainer task (config validation makes gpus_per_node exactly tasks x that).
+    --gpus-per-task implies --gpu-bind=per_task, so Slurm itself sets each task's
+    CUDA_VISIBLE_DEVICES, and srun inherits the request. A cluster whose per-task binding
+    gets in the way (device cgroups per task keep NCCL off NVLink) can use gpus-per-node
+    or gres: every task then sees its node's GPUs and the rank takes its own slice by
+    SLURM_LOCALID (launch/gpus.py), which it also does if srun did not bind.
+    """
     if not c.gpus_per_node:
         return []
-    count = f"{c.gpu_type}:{c.gpus_per_node}" if c.gpu_type else str(c.gpus_per_node)
+    per = (
+        c.gpus_per_node // c.tasks_per_node
+        if cfg.gpu_request == "gpus-per-task"
+        else c.gpus_per_node
+    )
+    count = f"{c.gpu_type}:{per}" if c.gpu_type else str(per)
     if cfg.gpu_request == "gres":
         return [f"--gres=gpu:{count}"]
-    return [f"--gpus-per-node={count}"]
+    return [f"--{cfg.gpu_request}={count}"]  # --gpus-per-task=N or --gpus-per-node=N
 
 
 def component_options(cfg: SlurmConfig, c: ComponentConfig) -> list[str]:

@@ -1,0 +1,265 @@
+"""The CUDA paths in one short run: ``python -m hpc_asyncppo.gpu_check`` (``scripts/gpu_check.sh``).
+
+Each check is a function of the device, so the suite runs the same functions on the CPU
+(``tests/test_gpu_check.py``); on a GPU machine they run on ``cuda:0``:
+
+  gpu_binding          every rank's GPU set under a fake 8-GPU node (the 7B config's layout)
+  fsdp2_step           FSDP2 PPO update, bf16 compute over fp32 master weights
+  checkpoint           a checkpoint of that policy written from the device, restored onto it,
+                       and the next update identical
+  default_job_learns   the README's first command (both roles on one GPU), and it learns
+  weight_sync_via_host in that job: rollout and trainer share the GPU, so the weights went
+                       through host memory (gloo), and the rollout rank held exactly the
+                       trainer's weights after every sync
+
+One line per check and a summary line; exit 0 only if every check passed. Without CUDA:
+one line, exit 2 (``--device cpu`` runs them on the CPU anyway).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """A one-rank world: the sharded Policy (FSDP2) needs a process group even alone."""
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        dist.init_process_group(backend, init_method=init, rank=0, world_size=1)
+
+
+def tiny_model(work: Path) -> Path:
+    from hpc_asyncppo.config import DataConfig, TinyModelConfig
+    from hpc_asyncppo.models.tiny import build_tiny_model
+    from hpc_asyncppo.tasks import load_task
+
+    out = work / "model"
+    if (out / "config.json").exists():
+        return out
+    return build_tiny_model(out, load_task(DataConfig()).vocabulary(), TinyModelConfig(), seed=3)
+
+
+def random_batch(rows: int, seed: int, prompt: int = 4, length: int = 6) -> dict[str, np.ndarray]:
+    """A training batch of ``rows`` rows: left-padded prompts, right-padded responses."""
+    rng = np.random.default_rng(seed)
+    lengths, prompt_lengths = rng.integers(1, length + 1, rows), rng.integers(1, prompt + 1, rows)
+    return {
+        "prompt_ids": rng.integers(4, 15, (rows, prompt)).astype(np.int32),
+        "prompt_mask": (np.arange(prompt)[None] >= prompt - prompt_lengths[:, None]).astype(
+            np.int8
+        ),
+        "response_ids": rng.integers(4, 15, (rows, length)).astype(np.int32),
+        "response_mask": (np.arange(length)[None] < lengths[:, None]).astype(np.int8),
+        "rollout_log_probs": -rng.random((rows, length)).astype(np.float32),
+        "rewards": rng.random(rows).astype(np.float32),
+        "advantages": rng.normal(size=rows).astype(np.float32),
+    }
+
+
+def _policy(work: Path, device: torch.device):
+    from hpc_asyncppo.config import Config
+    from hpc_asyncppo.trainer.policy import Policy
+
+    ensure_process_group(device)
+    cfg = Config()
+    model = dataclasses.replace(cfg.model, path=str(tiny_model(work)), dtype="bfloat16")
+    cfg = dataclasses.replace(cfg, model=model, actor=dataclasses.replace(cfg.actor, lr=1e-4))
+    torch.manual_seed(0)
+    return Policy(cfg, device, dist.group.WORLD)
+
+
+def check_gpu_binding(device: torch.device, work: Path) -> str:
+    """Every rank of the 7B config on a fake 8-GPU node gets its own GPUs (no CUDA used)."""
+    from hpc_asyncppo.config import load_config
+    from hpc_asyncppo.launch.gpus import bind_gpus
+
+    cfg = load_config("qwen2.5-7b-gsm8k")
+    rollout, train = cfg.slurm.rollout, cfg.slurm.train
+    r, t = rollout.ranks, train.ranks
+    eight = ",".join(map(str, range(8)))
+    sets: dict[str, list[list[int | str]]] = {"rollout": [], "trainer": []}
+    for world_rank in range(r + t):
+        role, c = ("rollout", rollout) if world_rank < r else ("trainer", train)
+        local = (world_rank if world_rank < r else world_rank - r) % c.tasks_per_node
+        env = {"SLURM_LOCALID": str(local), "CUDA_VISIBLE_DEVICES": eight}
+        sets[role].append(bind_gpus(cfg, world_rank, r + t, r, env))
+    per_node = {role: s[: (rollout if role == "rollout" else train).tasks_per_node]
+                for role, s in sets.items()}  # fmt: skip
+    for role, node in per_node.items():
+        flat = sorted(g for s in node for g in s)
+        assert flat == list(range(8)), f"{role} ranks of one node got {node}, not GPUs 0-7 once"
+    assert all(len(s) == cfg.rollout.tensor_parallel_size for s in sets["rollout"])
+    return f"rollout {per_node['rollout']}, trainer {per_node['trainer']} per node"
+
+
+def check_fsdp2_step(device: torch.device, work: Path) -> str:
+    """One PPO update of the FSDP2 policy: bf16 compute, fp32 master weights that move."""
+    from hpc_asyncppo.trainer.batch import to_tensors
+    from hpc_asyncppo.trainer.policy import gather_full, peak_memory_mb, ppo_update
+
+    policy = _policy(work, device)
+    before = {n: gather_full(p).clone() for n, p in policy.model.named_parameters()}
+    assert all(t.dtype == torch.float32 for t in before.values()), "master weights not fp32"
+    assert all(p.device.type == device.type for p in policy.model.parameters())
+    stats = ppo_update(policy, to_tensors(random_batch(16, seed=1), device))
+    assert all(np.isfinite(v) for v in stats.values()), stats
+    moved = [bool((gather_full(p) != before[n]).any()) for n, p in policy.model.named_parameters()]
+    assert np.mean(moved) > 0.5, f"only {sum(moved)} of {len(moved)} weights changed"
+    sent = dict(policy.named_weights())
+    assert all(t.dtype == torch.bfloat16 for t in sent.values()), "rollout weights not bf16"
+    loss = stats.get("actor/pg_loss", next(iter(stats.values())))
+    return f"loss {loss:.4f}, {sum(moved)}/{len(moved)} weights moved, peak {peak_memory_mb(device):.0f} MB"
+
+
+def check_checkpoint(device: torch.device, work: Path) -> str:
+    """A checkpoint written from the device and restored onto it: same weights, same next step."""
+    from hpc_asyncppo.checkpoint.store import CheckpointReader, save_checkpoint
+    from hpc_asyncppo.trainer.batch import to_tensors
+    from hpc_asyncppo.trainer.policy import gather_full, ppo_update
+    from hpc_asyncppo.trainer.trainer import nest
+
+    a = _policy(work, device)
+    ppo_update(a, to_tensors(random_batch(16, seed=2), device))
+    path = work / "checkpoint.h5"
+    start = time.monotonic()
+    save_checkpoint(path, nest([(p, source()) for p, source in a.state_sources()]), {"step": 1})
+    b = _policy(work, device)
+    with CheckpointReader(path) as reader:
+        b.load_state(reader, str(path))
+    seconds = time.monotonic() - start
+    for (name, x), (_, y) in zip(
+        a.module.named_parameters(), b.module.named_parameters(), strict=True
+    ):
+        assert y.device.type == device.type and torch.equal(gather_full(x), gather_full(y)), name
+    batch = to_tensors(random_batch(16, seed=3), device)
+    assert ppo_update(a, batch) == ppo_update(b, batch), "the step after the restore differs"
+    return f"{path.stat().st_size / 2**20:.1f} MB written and restored in {seconds:.2f} s"
+
+
+def run_default_job(device: torch.device, work: Path, steps: int = 300) -> Path:
+    """``submit --cluster local`` with the default config; on CUDA, both roles on one GPU."""
+    run_dir = work / "default_job"
+    if (run_dir / "metrics.jsonl").exists():
+        return run_dir
+    env = dict(os.environ)
+    if device.type == "cuda":  # roles share the GPU: the case the host-memory sync exists for
+        env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local",
+           "--run-dir", str(run_dir), "trainer.record_weight_digests=true",
+           f"trainer.total_steps={steps}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=420)
+    if proc.returncode != 0:
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+        raise AssertionError(f"the default job failed (exit {proc.returncode}): {tail}")
+    return run_dir
+
+
+def check_default_job_learns(
+    device: torch.device, work: Path, steps: int = 300, min_reward: float | None = 0.8
+) -> str:
+    """The default job ends, on the device, and (over its full length) learns."""
+    from hpc_asyncppo.runlog import read_jsonl
+
+    run_dir = run_default_job(device, work, steps)
+    rewards = [m["reward/mean"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    first, last = float(np.mean(rewards[:10])), float(np.mean(rewards[-20:]))
+    if min_reward is not None:
+        assert first < 0.2 and last >= min_reward, f"reward {first:.2f} -> {last:.2f}"
+    logs = (run_dir / "logs" / "rank1.log").read_text()
+    on = "cuda:0" if device.type == "cuda" else "cpu"
+    assert f"trainer rank on {on}" in logs, f"trainer rank not on {on}"
+    return f"reward {first:.2f} -> {last:.2f} over {len(rewards)} logged steps, trainer on {on}"
+
+
+def check_weight_sync_via_host(device: torch.device, work: Path, steps: int = 300) -> str:
+    """In the default job both roles share the device: the weights travel through host
+    memory, and after every sync the rollout rank holds exactly the trainer's weights."""
+    from hpc_asyncppo.runlog import read_jsonl
+
+    run_dir = run_default_job(device, work, steps)
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    on = "cuda:0" if device.type == "cuda" else "cpu"
+    assert f"rollout rank on {on}; weights travel via cpu" in log, "sync did not go via the host"
+    ranks = [json.loads((run_dir / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["gpus"] == ranks[1]["gpus"], f"roles on different GPUs: {ranks}"
+    leader = {r["version"]: r["digest"] for r in read_jsonl(run_dir / "weights" / "rank1.jsonl")}
+    mine = {r["version"]: r["digest"] for r in read_jsonl(run_dir / "weights" / "rank0.jsonl")}
+    assert mine == leader and leader, f"rollout digests differ from the trainer's ({len(leader)})"
+    where = f"GPUs {ranks[0]['gpus']}" if ranks[0]["gpus"] else "the CPU"
+    return f"{len(leader)} syncs bit-exact through host memory, both roles on {where}"
+
+
+CHECKS: dict[str, Callable[[torch.device, Path], str]] = {
+    "gpu_binding": check_gpu_binding,
+    "fsdp2_step": check_fsdp2_step,
+    "checkpoint": check_checkpoint,
+    "default_job_learns": check_default_job_learns,
+    "weight_sync_via_host": check_weight_sync_via_host,
+}
+
+
+def run_checks(device: torch.device, work: Path, names: list[str]) -> int:
+    """Run the checks, one line each and a summary; the number that failed."""
+    failed, start = 0, time.monotonic()
+    for name in names:
+        t0 = time.monotonic()
+        try:
+            detail, status = CHECKS[name](device, work), "OK"
+        except Exception as exc:  # noqa: BLE001 - report every check, then the summary
+            detail, status = f"{type(exc).__name__}: {' '.join(str(exc).split())}", "FAILED"
+            failed += 1
+        print(f"gpu_check: {name}: {status} ({detail}) [{time.monotonic() - t0:.1f} s]", flush=True)
+    passed = len(names) - failed
+    print(f"gpu_check: {passed}/{len(names)} checks passed on {device} in "
+          f"{time.monotonic() - start:.0f} s", flush=True)  # fmt: skip
+    return failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--only", nargs="*", choices=list(CHECKS), default=list(CHECKS))
+    parser.add_argument("--work", default="", help="work folder; default: a new temp folder")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device (torch.cuda.is_available() is False): nothing run")
+        return 2
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        print(f"gpu_check: torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs {names}")
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # one line per check, nothing between
+    work = Path(args.work or tempfile.mkdtemp(prefix="gpu_check_"))
+    work.mkdir(parents=True, exist_ok=True)
+    return 1 if run_checks(device, work, args.only) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
