@@ -135,20 +135,22 @@ def check_fsdp2_step(device: torch.device, work: Path) -> str:
 
 
 def check_checkpoint(device: torch.device, work: Path) -> str:
-    """A checkpoint written from the device and restored onto it: same weights, same next step."""
-    from hpc_asyncppo.checkpoint.store import CheckpointReader, save_checkpoint
+    """A checkpoint part written from the device and restored onto it through the run's own
+    protocol (write, commit, verify, read the rows back): same weights, same next step."""
+    from hpc_asyncppo.checkpoint import protocol
     from hpc_asyncppo.trainer.batch import to_tensors
     from hpc_asyncppo.trainer.policy import gather_full, ppo_update
-    from hpc_asyncppo.trainer.trainer import nest
+    from hpc_asyncppo.trainer.trainer import restore_trainer_part, write_trainer_part
 
     a = _policy(work, device)
     ppo_update(a, to_tensors(random_batch(16, seed=2), device))
-    path = work / "checkpoint.h5"
+    folder = protocol.step_dir(work / "checkpoint_run", 1)
     start = time.monotonic()
-    save_checkpoint(path, nest([(p, source()) for p, source in a.state_sources()]), {"step": 1})
+    part = write_trainer_part(folder, a, 0)
+    protocol.commit(folder, [part], {"step": 1, "train_ranks": 1, "rollout_ranks": 0})
+    protocol.verify_all(folder)
     b = _policy(work, device)
-    with CheckpointReader(path) as reader:
-        b.load_state(reader, str(path))
+    restore_trainer_part(folder, b, 0, 1)
     seconds = time.monotonic() - start
     for (name, x), (_, y) in zip(
         a.module.named_parameters(), b.module.named_parameters(), strict=True
@@ -156,7 +158,7 @@ def check_checkpoint(device: torch.device, work: Path) -> str:
         assert y.device.type == device.type and torch.equal(gather_full(x), gather_full(y)), name
     batch = to_tensors(random_batch(16, seed=3), device)
     assert ppo_update(a, batch) == ppo_update(b, batch), "the step after the restore differs"
-    return f"{path.stat().st_size / 2**20:.1f} MB written and restored in {seconds:.2f} s"
+    return f"{part.bytes / 2**20:.1f} MB written and restored in {seconds:.2f} s"
 
 
 def run_default_job(device: torch.device, work: Path, steps: int = 300) -> Path:
