@@ -138,8 +138,9 @@ class BucketPair:
 
     A buffer is handed out again only once the operation last posted on it has completed,
     so at most two buckets exist at a time: one on the wire, one being filled (sender) or
-    consumed (receiver). A buffer grows when a bucket needs more room than it has (a tensor
-    larger than the bucket size travels alone) and is never shrunk within a sync.
+    consumed (receiver). A buffer is replaced when a bucket needs more room than it has (a
+    tensor larger than the bucket size travels alone) or less than half of it, so that a
+    large tensor's buffer does not stay beside the next normal bucket's.
     ``held_bytes`` / ``peak_bytes`` count the buffers' bytes."""
 
     def __init__(self, device: torch.device):
@@ -157,7 +158,7 @@ class BucketPair:
         i = index % 2
         self.wait(index)
         buf = self.buffers[i]
-        if buf is None or buf.numel() < nbytes:
+        if buf is None or not nbytes <= buf.numel() < 2 * nbytes:
             self.buffers[i] = None  # free the old one before allocating its replacement
             buf = self.buffers[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
@@ -172,15 +173,14 @@ class BucketPair:
         if work is not None:
             work.wait()
 
-    def release(self) -> None:
-        """Wait for both buffers' operations and free the buffers."""
+    def settle(self) -> None:
+        """Wait for both buffers' operations (the buffers stay, for the next sync)."""
         for i in (0, 1):
             self.wait(i)
         if self.device.type == "cuda":
             # Work.wait() on NCCL only orders the current stream after the collective: the
             # host waits here so that the time taken is the time to complete.
             torch.cuda.current_stream(self.device).synchronize()
-        self.buffers = [None, None]
 
 
 class WeightBroadcaster:
@@ -188,13 +188,14 @@ class WeightBroadcaster:
 
     Memory beyond the model: the header, two bucket buffers (bucket k on the wire while
     k+1 is packed) and the one tensor being packed (gathered from the shards by the caller).
-    The buffers are freed at the end of each sync."""
+    The two buffers stay between syncs: fresh host pages cost more than the packing."""
 
     def __init__(self, group: dist.ProcessGroup, src: int, bucket_mb: float, device: torch.device):
         """``bucket_mb``: the bucket size in MiB (a fraction gives tests buckets of bytes)."""
         self.group, self.src, self.device = group, src, device
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
-        self.peak_bytes = 0  # most bucket-buffer bytes held at once in the last sync
+        self.pair = BucketPair(device)
+        self.peak_bytes = 0  # most bucket-buffer bytes held at once, over every sync
 
     def broadcast(
         self,
@@ -227,13 +228,13 @@ class WeightBroadcaster:
                     on_tensor(name, tensor)
                 yield name, tensor
 
-        pair = BucketPair(self.device)
+        pair = self.pair
         try:
             for index, bucket in stream_buckets(watched(), slots, self.device, take=pair.take):
                 work = dist.broadcast(bucket, src=self.src, group=self.group, async_op=True)
                 pair.posted(index, work)
         finally:
-            pair.release()
+            pair.settle()
             self.peak_bytes = pair.peak_bytes
         return time.monotonic() - start
 
@@ -263,7 +264,7 @@ class WeightReceiver:
 
     Memory: the header, two bucket buffers on the group's device (bucket k+1 arriving while
     the consumer loads k) and, when the group's device is not the target (host memory on a
-    shared GPU), one bucket copied to the target. Freed at the end of each sync."""
+    shared GPU), one bucket copied to the target. The two buffers stay between syncs."""
 
     def __init__(
         self,
@@ -275,12 +276,13 @@ class WeightReceiver:
         """Buckets arrive on ``device`` (the group's); tensors are handed out on ``target``."""
         self.group, self.src, self.device = group, src, device
         self.target = target or device
-        self.pair: BucketPair | None = None  # the buffers of the sync being received
+        self.pair = BucketPair(device)
+        self.peak_bytes = 0  # most bucket-buffer bytes held at once, over every sync
 
     @property
     def held_bytes(self) -> int:
         """Bytes of bucket buffers alive now (on the group's device)."""
-        return 0 if self.pair is None else self.pair.held_bytes
+        return self.pair.held_bytes
 
     def receive(self) -> IncomingWeights:
         """The next sync's header; its buckets follow through ``IncomingWeights.buckets``."""
@@ -302,7 +304,7 @@ class WeightReceiver:
         members: list[list[TensorSlot]] = [[] for _ in sizes]
         for s in slots:
             members[s.bucket].append(s)
-        pair = self.pair = BucketPair(self.device)
+        pair = self.pair
 
         def post(index: int) -> torch.Tensor:
             buf = pair.take(index, sizes[index])
@@ -321,5 +323,5 @@ class WeightReceiver:
                 yield {s.name: _view(bucket, s) for s in members[index]}
                 del bucket  # the device copy goes before the next one is made
         finally:
-            pair.release()
-            self.pair = None
+            pair.settle()
+            self.peak_bytes = pair.peak_bytes
