@@ -131,7 +131,7 @@ def rollout_process(args: argparse.Namespace, model_dir: Path, port: int, nccl: 
         if receiver is None:
             tensors = dict(perturbed(model_dir, version, device))
         else:
-            got, tensors = receiver.receive()
+            got, tensors = receiver.receive_all()
             assert got == version, (got, version)
         print(f"rollout: v{version} received in {time.monotonic() - start:.3f} s")
         return tensors

@@ -8,7 +8,7 @@ pad token, lengths that count the EOS, log-probs 0 and versions -1 past the leng
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
@@ -50,6 +50,17 @@ class RolloutEngine(Protocol):
         ...
 
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None: ...
+
+    def load_buckets(
+        self,
+        specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+        buckets: Iterable[dict[str, torch.Tensor]],
+        version: int,
+    ) -> None:
+        """Load one sync as it arrives: ``specs`` (name, shape, dtype of every tensor) first,
+        then the buckets, whose tensors are valid only until the next bucket is taken. A
+        sync that does not match the model is refused before anything is loaded."""
+        ...
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]: ...
 

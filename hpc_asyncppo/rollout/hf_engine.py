@@ -7,7 +7,7 @@ same quantity the trainer recomputes, so the two agree up to float error for equ
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,22 +142,55 @@ class HFEngine:
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.model.named_parameters())
 
-    @torch.no_grad()
-    def load_weights(self, tensors: dict[str, torch.Tensor], version: int = -1) -> None:
+    def check_weights(self, specs: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        """Refuse a sync whose names, shapes or dtypes (from its header) differ from the model's."""
         params = dict(self.model.named_parameters())
-        if set(params) != set(tensors):
-            missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+        names = [name for name, _, _ in specs]
+        if set(params) != set(names) or len(names) != len(set(names)):
+            missing, extra = sorted(set(params) - set(names)), sorted(set(names) - set(params))
+            twice = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(
-                f"weight sync does not match the rollout model: missing {missing[:5]}, unexpected {extra[:5]}"
+                f"weight sync does not match the rollout model: missing {missing[:5]}, "
+                f"unexpected {extra[:5]}, sent twice {twice[:5]}"
             )
-        for name, param in params.items():
-            src = tensors[name]
-            if src.shape != param.shape or src.dtype != param.dtype:
+        for name, shape, dtype in specs:
+            param = params[name]
+            if tuple(shape) != tuple(param.shape) or dtype != param.dtype:
                 raise ValueError(
-                    f"weight {name}: got {tuple(src.shape)} {src.dtype}, model has {tuple(param.shape)} {param.dtype}"
+                    f"weight {name}: got {tuple(shape)} {dtype}, model has {tuple(param.shape)} {param.dtype}"
                 )
-            param.copy_(src)
+
+    @torch.no_grad()
+    def load_buckets(
+        self,
+        specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+        buckets: Iterable[dict[str, torch.Tensor]],
+        version: int = -1,
+    ) -> None:
+        """Load a sync bucket by bucket, each tensor copied into its parameter as it comes.
+
+        ``specs`` (the header) are checked against the model before any bucket is taken,
+        so a mismatched sync is refused whole; the buckets' tensors are not kept (the
+        receiver reuses their memory), so nothing beyond the model is held here."""
+        self.check_weights(specs)
+        params = dict(self.model.named_parameters())
+        loaded: set[str] = set()
+        for bucket in buckets:
+            for name, src in bucket.items():
+                if name in loaded or name not in params:
+                    raise RuntimeError(f"weight sync carried {name!r} twice or unannounced")
+                params[name].copy_(src)
+                loaded.add(name)
+        if loaded != set(params):
+            raise RuntimeError(
+                f"weight sync ended without {sorted(set(params) - loaded)[:5]}: the model is half-loaded"
+            )
         self.version = version
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int = -1) -> None:
+        """Load a whole set of weights at once (one bucket of everything)."""
+        specs = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+        self.load_buckets(specs, [tensors], version)
 
     def close(self) -> None:
         pass

@@ -162,12 +162,15 @@ class Rollouter:
     def receive_weights(self, expected: int) -> None:
         self._waiting_since = None
         start, wall_start = time.monotonic(), time.time()
-        version, tensors = self.weights.receive()
+        incoming = self.weights.receive()  # the header; the buckets stream into the engine
+        version = incoming.version
         if version != expected:
             raise RuntimeError(
                 f"weight sync announced version {expected} but the broadcast carried {version}"
             )
-        self.engine.load_weights(tensors, version)
+        # The engine takes the whole sync before the loop steps it again: no generation
+        # step runs on half-loaded weights.
+        self.engine.load_buckets(incoming.specs(), incoming.buckets(), version)
         if self.version < 0:  # time counts from the first sync, as on the trainer
             self.started_at, self.idle_s = time.monotonic(), 0.0
         self.version = version

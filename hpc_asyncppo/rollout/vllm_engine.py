@@ -38,7 +38,7 @@ import itertools
 import logging
 import os
 import socket
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -274,17 +274,36 @@ class VLLMEngine:
 
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Load new weights into the vLLM worker(s) in place, then drop cached KV blocks."""
+        """Load a whole set of weights at once (one bucket of everything)."""
+        specs = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+        self.load_buckets(specs, [tensors], version)
+
+    @torch.no_grad()
+    def load_buckets(
+        self,
+        specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+        buckets: Iterable[dict[str, torch.Tensor]],
+        version: int,
+    ) -> None:
+        """Load one sync into the vLLM worker(s) in place, bucket by bucket inside one
+        start/finish weight update, then drop cached KV blocks. Each bucket is pushed on as
+        it comes and not kept (except copies with ``keep_loaded``)."""
         if self.running:
             raise RuntimeError(
                 "load_weights with requests running: interrupt() or finish them first"
             )
-        self.transfer.push(tensors)
-        if self.cfg.enable_prefix_caching:
+        if self.keep_loaded:
+            self._loaded = {}
+            buckets = self._kept(buckets)
+        self.transfer.push(specs, buckets)
+        if self.cfg.enable_prefix_caching:  # cached KV blocks hold the old weights' keys
             self.llm.reset_prefix_cache()
         self.version = version
-        if self.keep_loaded:
-            self._loaded = {name: t.clone() for name, t in tensors.items()}
+
+    def _kept(self, buckets: Iterable[dict[str, torch.Tensor]]) -> Iterator[dict]:
+        for bucket in buckets:
+            self._loaded.update({name: t.clone() for name, t in bucket.items()})
+            yield bucket
 
     def close(self) -> None:
         self.transfer.close()
@@ -300,8 +319,9 @@ def _update_info(tensors: dict[str, torch.Tensor]) -> dict:
 
 
 class GlooWeightPush:
-    """CPU: this process is rank 0 of a gloo group with the vLLM worker(s) and broadcasts
-    each tensor while the workers receive it inside vLLM's ``update_weights``."""
+    """CPU: this process is rank 0 of a gloo group with the vLLM worker(s). Per bucket, the
+    workers receive its tensors inside one ``update_weights`` call while this process
+    broadcasts them one by one; the whole sync is one start/finish weight update."""
 
     def __init__(self, llm, workers: int, timeout_s: float = 300.0):
         from hpc_asyncppo.rollout.vllm_worker import open_group
@@ -322,15 +342,21 @@ class GlooWeightPush:
             self.group = open_group("127.0.0.1", port, 0, 1 + workers, timeout_s)
             joined.result()
 
-    def push(self, tensors: dict[str, torch.Tensor]) -> None:
+    def push(
+        self,
+        specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+        buckets: Iterable[dict[str, torch.Tensor]],
+    ) -> None:
+        """``specs`` are unused here: each bucket announces its own tensors to the workers."""
         self.llm.collective_rpc("start_weight_update")
         with ThreadPoolExecutor(max_workers=1) as pool:
-            received = pool.submit(
-                self.llm.collective_rpc, "update_weights", args=(_update_info(tensors),)
-            )
-            for tensor in tensors.values():
-                self.group.broadcast(tensor.detach().cpu().contiguous(), 0).wait()
-            received.result()
+            for bucket in buckets:
+                received = pool.submit(
+                    self.llm.collective_rpc, "update_weights", args=(_update_info(bucket),)
+                )
+                for tensor in bucket.values():
+                    self.group.broadcast(tensor.detach().cpu().contiguous(), 0).wait()
+                received.result()
         self.llm.collective_rpc("finish_weight_update")
 
     def close(self) -> None:
@@ -338,32 +364,54 @@ class GlooWeightPush:
 
 
 class IPCWeightPush:
-    """GPU: vLLM's CUDA-IPC engine maps the rollout rank's received tensors into the
-    worker(s) on the same node, without a copy through host memory. UNTESTED here (no GPU)."""
+    """GPU: vLLM's CUDA-IPC engine maps the rollout rank's tensors into the worker(s) on the
+    same node, without a copy through host memory. Its packed mode copies the tensors, as
+    the source yields them, into one IPC buffer of ``buffer_bytes`` and ships each chunk, so
+    the source can be the stream of received buckets. UNTESTED here (no GPU)."""
 
-    def __init__(self, llm):
+    def __init__(self, llm, buffer_bytes: int = 64 * 2**20):
         from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-        class LatestTensors(WeightSource):
-            tensors: dict[str, torch.Tensor] = {}
+        class StreamedTensors(WeightSource):
+            """The current sync: its specs up front, its tensors bucket by bucket."""
+
+            specs: list = []
+            buckets: Iterable[dict[str, torch.Tensor]] = ()
 
             def metadata(self) -> list[ParamMeta]:
-                return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
+                return [ParamMeta(n, dtype, tuple(shape)) for n, shape, dtype in self.specs]
 
             def __iter__(self):
-                return iter(self.tensors.items())
+                for bucket in self.buckets:
+                    yield from bucket.items()
 
-        self.source = LatestTensors()
+        self.buffer_bytes = buffer_bytes
+        self.source = StreamedTensors()
         self.sender = WeightTransferTrainerFactory.trainer_init(
-            IPCTrainerInitInfo(rank=0), client=_RpcClient(llm), source=self.source
+            IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=buffer_bytes),
+            client=_RpcClient(llm),
+            source=self.source,
         )
 
-    def push(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.source.tensors = tensors
-        self.sender.send_weights()
-        self.source.tensors = {}
+    def push(
+        self,
+        specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+        buckets: Iterable[dict[str, torch.Tensor]],
+    ) -> None:
+        # vLLM's packed mode refuses a tensor larger than its buffer: a large one sets it
+        largest = max(
+            (int(torch.Size(shape).numel()) * dtype.itemsize for _, shape, dtype in specs),
+            default=0,
+        )
+        self.sender.packed_buffer_size_bytes = max(self.buffer_bytes, largest)
+        # send_weights brackets the whole source in one start/finish weight update
+        self.source.specs, self.source.buckets = specs, buckets
+        try:
+            self.sender.send_weights()
+        finally:
+            self.source.specs, self.source.buckets = [], ()
 
     def close(self) -> None:
         self.sender.shutdown()

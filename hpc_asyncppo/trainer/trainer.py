@@ -193,7 +193,9 @@ class TrainerLeader:
         )
 
     def sync_weights(self, version: int) -> None:
-        """Broadcast the weights as ``version``, gathered from the shards one tensor at a time."""
+        """Broadcast the weights as ``version``, gathered from the shards one tensor at a time
+        (the followers gather in step) and packed into the next bucket while the last is on
+        the wire; ``last_sync_s`` runs to the last bucket's completion."""
         start = time.time()
         self.receiver.broadcast_control(Control.SYNC, version)
         self.order_followers({"sync": True, "step": self.step})

@@ -7,18 +7,22 @@ CPU and NCCL when CUDA is present (same code: only the device of the buffers cha
 the group cannot use NCCL (ranks sharing a GPU), buckets travel through host memory over
 gloo and the receiver copies them to its device.
 
-The sender streams: it takes the tensors one at a time (a sharded trainer gathers each
-from its shards just then), copies each into the current bucket and broadcasts a bucket as
-soon as it is full, so it holds one bucket and one tensor beyond the model's own shards.
-Every tensor starts at a multiple of ``ALIGN`` bytes, so that the receiver's views of any
-dtype are aligned whatever the order and lengths of the tensors before it.
+Both sides stream and are double-buffered. The sender takes the tensors one at a time (a
+sharded trainer gathers each from its shards just then), copies each into the current
+bucket and posts the bucket's broadcast as soon as it is full; while bucket k is on the
+wire it gathers and packs k+1 into the other buffer. The receiver posts the receive of
+bucket k+1 before handing bucket k to its consumer (the engine), which loads it in place.
+Each side holds at most two bucket buffers (plus, on the sender, the tensor being packed;
+on a receiver whose group is on the host, one bucket copied to its device), and the
+header. Every tensor starts at a multiple of ``ALIGN`` bytes, so that the receiver's views
+of any dtype are aligned whatever the order and lengths of the tensors before it.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -78,11 +82,16 @@ def pack(
 
 
 def stream_buckets(
-    named: Iterable[tuple[str, torch.Tensor]], slots: list[TensorSlot], device: torch.device
-) -> Iterable[tuple[int, torch.Tensor]]:
+    named: Iterable[tuple[str, torch.Tensor]],
+    slots: list[TensorSlot],
+    device: torch.device,
+    take: Callable[[int, int], torch.Tensor] | None = None,
+) -> Iterator[tuple[int, torch.Tensor]]:
     """(bucket index, filled bucket) as soon as each is complete, taking the tensors one at a
-    time in ``slots``' order: one bucket exists at a time (reused when sizes allow)."""
+    time in ``slots``' order. ``take(index, nbytes)`` supplies each bucket's buffer (default:
+    a new one each), so a caller can recycle two buffers."""
     sizes = bucket_sizes(slots)
+    take = take or (lambda _, nbytes: torch.empty(nbytes, dtype=torch.uint8, device=device))
     current, buf = -1, None
     for (name, tensor), slot in zip(named, slots, strict=True):
         if name != slot.name:
@@ -91,7 +100,7 @@ def stream_buckets(
             if buf is not None:
                 yield current, buf
             current = slot.bucket
-            buf = torch.empty(sizes[current], dtype=torch.uint8, device=device)
+            buf = take(current, sizes[current])
         raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         buf[slot.offset : slot.offset + slot.nbytes].copy_(raw)
     if buf is not None:
@@ -100,12 +109,11 @@ def stream_buckets(
 
 def unpack(buckets: list[torch.Tensor], slots: list[TensorSlot]) -> dict[str, torch.Tensor]:
     """Views into ``buckets``, one per tensor, with its dtype and shape."""
-    return {
-        s.name: buckets[s.bucket][s.offset : s.offset + s.nbytes]
-        .view(_DTYPES[s.dtype])
-        .view(s.shape)
-        for s in slots
-    }
+    return {s.name: _view(buckets[s.bucket], s) for s in slots}
+
+
+def _view(bucket: torch.Tensor, s: TensorSlot) -> torch.Tensor:
+    return bucket[s.offset : s.offset + s.nbytes].view(_DTYPES[s.dtype]).view(s.shape)
 
 
 def encode_header(version: int, slots: list[TensorSlot]) -> bytes:
@@ -125,12 +133,69 @@ def decode_header(raw: bytes) -> tuple[int, list[TensorSlot]]:
     return int(header["version"]), slots
 
 
-class WeightBroadcaster:
-    """Trainer leader: sends its weights to every rollout rank of ``group`` (src = leader)."""
+class BucketPair:
+    """Two flat uint8 buffers that buckets take turns in (bucket k uses buffer k % 2).
 
-    def __init__(self, group: dist.ProcessGroup, src: int, bucket_mb: int, device: torch.device):
+    A buffer is handed out again only once the operation last posted on it has completed,
+    so at most two buckets exist at a time: one on the wire, one being filled (sender) or
+    consumed (receiver). A buffer is replaced when a bucket needs more room than it has (a
+    tensor larger than the bucket size travels alone) or less than half of it, so that a
+    large tensor's buffer does not stay beside the next normal bucket's.
+    ``held_bytes`` / ``peak_bytes`` count the buffers' bytes."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffers: list[torch.Tensor | None] = [None, None]
+        self.works: list[dist.Work | None] = [None, None]
+        self.peak_bytes = 0
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(b.numel() for b in self.buffers if b is not None)
+
+    def take(self, index: int, nbytes: int) -> torch.Tensor:
+        """The buffer for bucket ``index``, ``nbytes`` long, once bucket ``index - 2`` is done."""
+        i = index % 2
+        self.wait(index)
+        buf = self.buffers[i]
+        if buf is None or not nbytes <= buf.numel() < 2 * nbytes:
+            self.buffers[i] = None  # free the old one before allocating its replacement
+            buf = self.buffers[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        return buf[:nbytes]
+
+    def posted(self, index: int, work: dist.Work | None) -> None:
+        self.works[index % 2] = work
+
+    def wait(self, index: int) -> None:
+        """Wait for the operation last posted on bucket ``index``'s buffer."""
+        work, self.works[index % 2] = self.works[index % 2], None
+        if work is not None:
+            work.wait()
+
+    def settle(self) -> None:
+        """Wait for both buffers' operations (the buffers stay, for the next sync)."""
+        for i in (0, 1):
+            self.wait(i)
+        if self.device.type == "cuda":
+            # Work.wait() on NCCL only orders the current stream after the collective: the
+            # host waits here so that the time taken is the time to complete.
+            torch.cuda.current_stream(self.device).synchronize()
+
+
+class WeightBroadcaster:
+    """Trainer leader: sends its weights to every rollout rank of ``group`` (src = leader).
+
+    Memory beyond the model: the header, two bucket buffers (bucket k on the wire while
+    k+1 is packed) and the one tensor being packed (gathered from the shards by the caller).
+    The two buffers stay between syncs: fresh host pages cost more than the packing."""
+
+    def __init__(self, group: dist.ProcessGroup, src: int, bucket_mb: float, device: torch.device):
+        """``bucket_mb``: the bucket size in MiB (a fraction gives tests buckets of bytes)."""
         self.group, self.src, self.device = group, src, device
-        self.bucket_bytes = bucket_mb * 2**20
+        self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self.pair = BucketPair(device)
+        self.peak_bytes = 0  # most bucket-buffer bytes held at once, over every sync
 
     def broadcast(
         self,
@@ -139,7 +204,8 @@ class WeightBroadcaster:
         specs: list[WeightSpec] | None = None,
         on_tensor: Callable[[str, torch.Tensor], None] | None = None,
     ) -> float:
-        """Broadcast ``named`` tensors as ``version``; returns the seconds it took.
+        """Broadcast ``named`` tensors as ``version``; returns the seconds it took, to the
+        completion of the last bucket's broadcast.
 
         ``specs`` (name, shape, dtype of each, in order) lets ``named`` be a stream that
         produces each tensor only when it is packed; without them ``named`` is a list.
@@ -162,13 +228,43 @@ class WeightBroadcaster:
                     on_tensor(name, tensor)
                 yield name, tensor
 
-        for _, bucket in stream_buckets(watched(), slots, self.device):
-            dist.broadcast(bucket, src=self.src, group=self.group)
+        pair = self.pair
+        try:
+            for index, bucket in stream_buckets(watched(), slots, self.device, take=pair.take):
+                work = dist.broadcast(bucket, src=self.src, group=self.group, async_op=True)
+                pair.posted(index, work)
+        finally:
+            pair.settle()
+            self.peak_bytes = pair.peak_bytes
         return time.monotonic() - start
 
 
+@dataclass
+class IncomingWeights:
+    """One sync announced by its header: the version and layout, and the buckets still to
+    come (``buckets()``, to be iterated once, to the end: the sender is broadcasting them)."""
+
+    version: int
+    slots: list[TensorSlot]
+    _buckets: Iterator[dict[str, torch.Tensor]]
+
+    def specs(self) -> list[WeightSpec]:
+        """(name, shape, dtype) of every tensor, in the order they come: known before any
+        bucket arrives, so that an engine can refuse a mismatched sync before loading."""
+        return [(s.name, s.shape, _DTYPES[s.dtype]) for s in self.slots]
+
+    def buckets(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Per bucket, its tensors by name: views valid only until the next bucket is asked
+        for (their buffer is then reused), so a consumer copies them where they go."""
+        return self._buckets
+
+
 class WeightReceiver:
-    """Rollout rank: receives one sync's header and buckets from the leader."""
+    """Rollout rank: receives one sync's header, then its buckets one by one.
+
+    Memory: the header, two bucket buffers on the group's device (bucket k+1 arriving while
+    the consumer loads k) and, when the group's device is not the target (host memory on a
+    shared GPU), one bucket copied to the target. The two buffers stay between syncs."""
 
     def __init__(
         self,
@@ -177,21 +273,55 @@ class WeightReceiver:
         device: torch.device,
         target: torch.device | None = None,
     ):
-        """Buckets arrive on ``device`` (the group's); tensors are returned on ``target``."""
+        """Buckets arrive on ``device`` (the group's); tensors are handed out on ``target``."""
         self.group, self.src, self.device = group, src, device
         self.target = target or device
+        self.pair = BucketPair(device)
+        self.peak_bytes = 0  # most bucket-buffer bytes held at once, over every sync
 
-    def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of bucket buffers alive now (on the group's device)."""
+        return self.pair.held_bytes
+
+    def receive(self) -> IncomingWeights:
+        """The next sync's header; its buckets follow through ``IncomingWeights.buckets``."""
         length = torch.empty(1, dtype=torch.int64, device=self.device)
         dist.broadcast(length, src=self.src, group=self.group)
         header = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
         dist.broadcast(header, src=self.src, group=self.group)
         version, slots = decode_header(header.cpu().numpy().tobytes())
-        buckets = [
-            torch.empty(size, dtype=torch.uint8, device=self.device) for size in bucket_sizes(slots)
-        ]
-        for bucket in buckets:
-            dist.broadcast(bucket, src=self.src, group=self.group)
-        if self.target != self.device:
-            buckets = [b.to(self.target) for b in buckets]
-        return version, unpack(buckets, slots)
+        return IncomingWeights(version, slots, self._buckets(slots))
+
+    def receive_all(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """A whole sync as one dict of copies: a whole extra model, for tests and checks."""
+        incoming = self.receive()
+        tensors = {n: t.clone() for bucket in incoming.buckets() for n, t in bucket.items()}
+        return incoming.version, tensors
+
+    def _buckets(self, slots: list[TensorSlot]) -> Iterator[dict[str, torch.Tensor]]:
+        sizes = bucket_sizes(slots)
+        members: list[list[TensorSlot]] = [[] for _ in sizes]
+        for s in slots:
+            members[s.bucket].append(s)
+        pair = self.pair
+
+        def post(index: int) -> torch.Tensor:
+            buf = pair.take(index, sizes[index])
+            pair.posted(index, dist.broadcast(buf, self.src, group=self.group, async_op=True))
+            return buf
+
+        try:
+            arriving = post(0) if sizes else None
+            for index in range(len(sizes)):
+                bucket = arriving
+                pair.wait(index)
+                # post the next receive before handing this bucket out: it arrives meanwhile
+                arriving = post(index + 1) if index + 1 < len(sizes) else None
+                if self.target != self.device:
+                    bucket = bucket.to(self.target)
+                yield {s.name: _view(bucket, s) for s in members[index]}
+                del bucket  # the device copy goes before the next one is made
+        finally:
+            pair.settle()
+            self.peak_bytes = pair.peak_bytes

@@ -119,7 +119,7 @@ def _nccl_worker(rank: int, port: int, out: str) -> None:
     if rank == 1:
         WeightBroadcaster(group, 1, bucket_mb=1, device=device).broadcast(3, named)
     else:
-        version, got = WeightReceiver(group, 1, device).receive()
+        version, got = WeightReceiver(group, 1, device).receive_all()
         ok = version == 3 and all(torch.equal(got[n], t) for n, t in named)
         Path(out).write_text("ok" if ok else "mismatch")
     dist.destroy_process_group()

@@ -1,5 +1,7 @@
+import dataclasses
 import os
 import socket
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -114,7 +116,7 @@ def _broadcast_worker(rank: int, world: int, port: int, bucket_mb: int, queue) -
     else:
         receiver = WeightReceiver(group, 0, torch.device("cpu"))
         for expected_version, factor in ((5, 1), (6, 2)):
-            version, tensors = receiver.receive()
+            version, tensors = receiver.receive_all()
             ok = version == expected_version and all(
                 torch.equal(tensors[n], t * factor) and tensors[n].dtype == t.dtype
                 for n, t in named
@@ -130,3 +132,153 @@ def test_real_gloo_broadcast_reaches_every_receiver():
     mp.spawn(_broadcast_worker, args=(world, _free_port(), 1, queue), nprocs=world, join=True)
     results = sorted(queue.get() for _ in range(2 * (world - 1)))
     assert results == [(1, 5, True), (1, 6, True), (2, 5, True), (2, 6, True)]
+
+
+def streamed_tensors() -> list[tuple[str, torch.Tensor]]:
+    """Every dtype, odd lengths, an empty tensor, and one (4000 bytes) larger than a bucket."""
+    g = torch.Generator().manual_seed(1)
+    return named_tensors() + [
+        ("big.fp32", torch.randn(1000, generator=g)),
+        ("f64", torch.randn(3, 3, generator=g).double()),
+        ("odd.half", torch.randn(13, generator=g).half()),
+    ]
+
+
+SYNC_ORDERS = 3  # seeds: each a different order of streamed_tensors()
+SYNC_BUCKETS = (64 / 2**20, 300 / 2**20, 1.0)  # MiB: 64 and 300 bytes, 1 MiB
+
+
+def _streaming_worker(rank: int, world: int, port: int, queue) -> None:
+    """Rank 0 streams each order x bucket size; every receiver loads each bucket as it comes
+    into preallocated "model" tensors, checking that at most two bucket buffers are alive."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    group = dist.new_group(list(range(world)))
+    named = streamed_tensors()
+    cpu = torch.device("cpu")
+    receiver = WeightReceiver(group, 0, cpu)
+    version = 0
+    for seed in range(SYNC_ORDERS):
+        order = torch.randperm(len(named), generator=torch.Generator().manual_seed(seed))
+        shuffled = [named[i] for i in order.tolist()]
+        for bucket_mb in SYNC_BUCKETS:
+            version += 1
+            slots = plan_buckets(specs_of(shuffled), max(1, int(bucket_mb * 2**20)))
+            largest = max(bucket_sizes(slots))
+            if rank == 0:
+                sender = WeightBroadcaster(group, 0, bucket_mb, cpu)
+                # a stream: each tensor made only when its turn comes, as a sharded trainer does
+                sender.broadcast(version, ((n, t.clone()) for n, t in shuffled), specs_of(shuffled))
+                queue.put((rank, version, sender.peak_bytes <= 2 * largest, 0))
+                continue
+            model = {n: torch.full_like(t, -1) for n, t in shuffled}
+            incoming = receiver.receive()
+            buffers: list[weakref.ref] = []  # every bucket buffer seen, alive or not
+            most_alive, loaded = 0, []
+            for bucket in incoming.buckets():
+                for name, tensor in bucket.items():
+                    model[name].copy_(tensor)
+                    loaded.append(name)
+                root = next(iter(bucket.values()))
+                root = root._base if root._base is not None else root
+                if all(ref() is not root for ref in buffers):
+                    buffers.append(weakref.ref(root))
+                del bucket, root, tensor
+                alive = sum(ref() is not None for ref in buffers)
+                most_alive = max(
+                    most_alive, alive, len([b for b in receiver.pair.buffers if b is not None])
+                )
+                assert receiver.held_bytes <= 2 * largest
+            ok = (
+                incoming.version == version
+                and sorted(loaded) == sorted(model)
+                and all(
+                    model[n].dtype == t.dtype
+                    and torch.equal(
+                        model[n].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8)
+                    )
+                    for n, t in shuffled
+                )
+            )
+            queue.put((rank, version, ok, most_alive))
+    dist.destroy_process_group()
+
+
+def test_streamed_sync_round_trips_bit_exactly_with_at_most_two_buckets_alive():
+    """Through real gloo broadcasts, per-bucket receive: any order, odd lengths, every dtype,
+    buckets of 64 and 300 bytes (tensors spanning many, one larger than a bucket) and 1 MiB."""
+    world = 3
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.spawn(_streaming_worker, args=(world, _free_port(), queue), nprocs=world, join=True)
+    syncs = SYNC_ORDERS * len(SYNC_BUCKETS)
+    results = [queue.get() for _ in range(world * syncs)]
+    assert all(ok for _, _, ok, _ in results), [r for r in results if not r[2]]
+    receivers = [r for r in results if r[0] != 0]
+    assert len(receivers) == (world - 1) * syncs
+    assert max(alive for *_, alive in receivers) <= 2
+    # with 64-byte buckets there are many buckets: the two buffers really take turns
+    assert max(alive for *_, alive in receivers) == 2
+
+
+def _unloaded_buckets(pulled: list[int]):
+    pulled.append(1)
+    yield {}
+
+
+def test_hf_engine_refuses_a_mismatched_sync_before_loading_anything(tiny_model_dir):
+    from hpc_asyncppo.config import Config
+    from hpc_asyncppo.rollout.hf_engine import HFEngine
+
+    cfg = Config()
+    engine = HFEngine(
+        dataclasses.replace(cfg.model, path=str(tiny_model_dir)), cfg.rollout, torch.device("cpu")
+    )
+    before = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    good = [(n, tuple(p.shape), p.dtype) for n, p in engine.named_parameters()]
+    (name0, shape0, dtype0), rest = good[0], good[1:]
+    wrong = {
+        "missing": rest,
+        "unexpected": good + [("extra.weight", (2,), torch.float32)],
+        "twice": good + [good[0]],
+        "shape": [(name0, (*shape0, 1), dtype0), *rest],
+        "dtype": [(name0, shape0, torch.float16), *rest],
+    }
+    for case, specs in wrong.items():
+        pulled: list[int] = []
+        with pytest.raises(ValueError, match="weight"):
+            engine.load_buckets(specs, _unloaded_buckets(pulled), version=3)
+        assert pulled == [], case  # not a single bucket was taken
+    # a stream that ends short of its header is named, not silently half-loaded
+    with pytest.raises(RuntimeError, match="half-loaded"):
+        engine.load_buckets(good, iter([]), version=3)
+    for n, p in engine.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert engine.version == -1
+
+
+def test_hf_engine_loads_bucket_by_bucket(tiny_model_dir):
+    from hpc_asyncppo.config import Config
+    from hpc_asyncppo.rollout.hf_engine import HFEngine
+
+    cfg = Config()
+    engine = HFEngine(
+        dataclasses.replace(cfg.model, path=str(tiny_model_dir)), cfg.rollout, torch.device("cpu")
+    )
+    new = [(n, torch.randn_like(p)) for n, p in engine.named_parameters()]
+    specs = specs_of(new)
+    slots = plan_buckets(specs, bucket_bytes=4096)
+    buckets = [
+        {n: t for n, t in new if n in {s.name for s in slots if s.bucket == b}}
+        for b in range(len(bucket_sizes(slots)))
+    ]
+    assert len(buckets) > 2
+    engine.load_buckets(specs, iter(buckets), version=4)
+    assert engine.version == 4
+    assert all(torch.equal(p, dict(new)[n]) for n, p in engine.named_parameters())
