@@ -1,4 +1,5 @@
-"""Checkpoint save/load against torch.save/torch.load of the same state, and the SpillQueue.
+"""Checkpoint save/load against torch.save/torch.load of the same state, sharded checkpoints
+written and read by 1, 2 and 4 trainer ranks, and the SpillQueue.
 
 The state is a model-shaped dict of float32 tensors (``--params`` parameters) plus an
 AdamW-like optimizer state (exp_avg, exp_avg_sq, step per tensor; int keys), as the trainer
@@ -7,7 +8,14 @@ dirty pages; ours include its fsyncs, torch.save is timed alone and plus an fsyn
 save and load also compute and verify a CRC-32 of every byte (torch.load verifies none). Loads are timed warm (the file in
 the page cache) and cold (its pages dropped with posix_fadvise first).
 
-    python scripts/bench_checkpoint.py [--params 50e6] [--repeats 3] [--dir runs/bench]
+Sharded (``--ranks 1 2 4``): each of T processes holds its rows of every tensor (FSDP's
+split of dim 0) and writes its own part of a checkpoint (``checkpoint.protocol``), rank 0
+commits the manifest; then each reads its rows back (warm). Times run from a barrier before
+to a barrier after (the slowest rank's); each rank samples its resident memory every
+millisecond and reports the peak growth during the save and the load as a multiple of its
+own shard's bytes (the load's destination tensors exist before it starts, as a model's do).
+
+    python scripts/bench_checkpoint.py [--params 50e6] [--repeats 3] [--ranks 1 2 4] [--dir runs/bench]
 
 (after scripts/install.sh; or run it with PYTHONPATH=. from the repository root)
 """
@@ -26,8 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpc_asyncppo.checkpoint.overflow import SpillQueue
 from hpc_asyncppo.checkpoint.store import fsync_file, load_checkpoint, save_checkpoint
+from hpc_asyncppo.trainer.queue import SpillQueue
 
 GB = 1e9
 MB = 1e6
@@ -120,6 +128,7 @@ def bench_checkpoint(tree: dict, nbytes: int, root: Path, repeats: int) -> None:
         ),
     }
     t = best_times(repeats, saves) | best_times(repeats, loads)
+    bench_checkpoint.torch_times = t  # the sharded runs' baselines
     print(
         f"state: {nbytes / GB:.2f} GB in {count_tensors(tree)} tensors; "
         f"files: hdf5 {ours.stat().st_size / GB:.2f} GB, torch {theirs.stat().st_size / GB:.2f} GB"
@@ -131,6 +140,147 @@ def bench_checkpoint(tree: dict, nbytes: int, root: Path, repeats: int) -> None:
     print(f"    save vs torch.save+fsync  {t['save'] / t['torch.save+fsync']:.2f}")
     print(f"    load vs torch.load (warm) {t['load warm'] / t['torch.load warm']:.2f}")
     print(f"    load vs torch.load (cold) {t['load cold'] / t['torch.load cold']:.2f}")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Peak resident-memory growth over the level at entry, sampled every millisecond."""
+
+    def __enter__(self) -> PeakRSS:
+        import threading
+
+        self.base = self.peak = rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.base
+
+
+def shard_tree(params: int, rank: int, ranks: int) -> tuple[dict, int]:
+    """This rank's rows of the model and AdamW state, with the layout a trainer part has."""
+    layout: dict[str, list[int]] = {}
+    model, state = {}, {}
+    for i, (name, full) in enumerate(model_state(params).items()):
+        per = -(-full.shape[0] // ranks)
+        start = min(rank * per, full.shape[0])
+        rows = full[start : start + per].clone()
+        model[name] = rows
+        state[i] = {"step": torch.tensor(10.0), "exp_avg": rows * 1e-3, "exp_avg_sq": rows * 1e-6}
+        layout[f"model/{name}"] = [start, *full.shape]
+        for key in ("exp_avg", "exp_avg_sq"):
+            layout[f"optimizer/state/{i}/{key}"] = [start, *full.shape]
+    tree = {"model": model, "optimizer": {"state": state, "param_groups": []}, "layout": layout}
+    nbytes = sum(t.nbytes for t in model.values()) * 3
+    return tree, nbytes
+
+
+def _sharded_worker(rank: int, ranks: int, port: int, params: int, folder: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from hpc_asyncppo.checkpoint import protocol
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=ranks)  # fmt: skip
+    torch.set_num_threads(1)
+    tree, shard = shard_tree(params, rank, ranks)
+    folder_path = Path(folder)
+    dist.barrier()
+    start = time.perf_counter()
+    with PeakRSS() as save_mem:
+        part = protocol.write_part(folder_path, protocol.trainer_part(rank), tree)
+    Path(out, f"part-{ranks}-{rank}.json").write_text(json.dumps(part.to_json()))
+    dist.barrier()
+    if rank == 0:
+        infos = [
+            protocol.PartInfo.from_json(json.loads(Path(out, f"part-{ranks}-{r}.json").read_text()))
+            for r in range(ranks)
+        ]
+        protocol.commit(folder_path, infos, {"step": 1, "train_ranks": ranks})
+    dist.barrier()
+    save_s = time.perf_counter() - start
+    targets = {n: torch.empty_like(t) for n, t in tree["model"].items()}
+    del tree
+    manifest = protocol.read_manifest(folder_path)
+    dist.barrier()
+    start = time.perf_counter()
+    with PeakRSS() as load_mem:
+        with protocol.ShardedReader(folder_path, manifest, [rank]) as reader:
+            for name, target in targets.items():
+                begin = reader.layouts[rank][f"model/{name}"][0]
+                target.copy_(reader.rows(("model", name), slice(begin, begin + target.shape[0])))
+                for key in ("exp_avg", "exp_avg_sq"):  # read like the optimizer's rows
+                    index = list(targets).index(name)
+                    reader.rows(
+                        ("optimizer", "state", index, key), slice(begin, begin + target.shape[0])
+                    )
+    dist.barrier()
+    load_s = time.perf_counter() - start
+    row = {"rank": rank, "shard": shard, "save_s": save_s, "load_s": load_s,
+           "save_peak": save_mem.growth, "load_peak": load_mem.growth}  # fmt: skip
+    Path(out, f"result-{ranks}-{rank}.json").write_text(json.dumps(row))
+    dist.destroy_process_group()
+
+
+def bench_sharded(params: int, ranks: list[int], root: Path, repeats: int, torch_t: dict) -> None:
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    results: dict[int, list[dict]] = {}
+    for _ in range(repeats):
+        for world in ranks:  # alternating, so drift hits every rank count
+            folder = root / f"sharded-{world}" / "step_00000001"
+            shutil.rmtree(folder.parent, ignore_errors=True)
+            os.sync()
+            mp.start_processes(_sharded_worker, args=(world, free_port(), params, str(folder),
+                                                      str(root)), nprocs=world, start_method="spawn")  # fmt: skip
+            rows = [
+                json.loads((root / f"result-{world}-{r}.json").read_text()) for r in range(world)
+            ]
+            best = results.get(world)
+            if (
+                best is None
+                or rows[0]["save_s"] + rows[0]["load_s"] < best[0]["save_s"] + best[0]["load_s"]
+            ):
+                results[world] = rows
+    print(
+        f"sharded checkpoints of the same state, best of {repeats} (save: write + commit; load: warm)"
+    )
+    print("  ranks  save_s  load_s  save/1rank  load/1rank  save/torch.save+fsync  load/torch.load  "
+          "peak save/shard  peak load/shard")  # fmt: skip
+    base = results[ranks[0]][0]
+    for world, rows in results.items():
+        r0 = rows[0]
+        save_peak = max(r["save_peak"] / r["shard"] for r in rows)
+        load_peak = max(r["load_peak"] / r["shard"] for r in rows)
+        print(f"  {world:5d}  {r0['save_s']:6.2f}  {r0['load_s']:6.2f}  {r0['save_s'] / base['save_s']:10.2f}  "
+              f"{r0['load_s'] / base['load_s']:10.2f}  {r0['save_s'] / torch_t['torch.save+fsync']:21.2f}  "
+              f"{r0['load_s'] / torch_t['torch.load warm']:15.2f}  {save_peak:15.2f}  {load_peak:15.2f}")  # fmt: skip
 
 
 def count_tensors(tree: object) -> int:
@@ -176,6 +326,7 @@ def main() -> None:
         "--queue-mb", type=float, default=512, help="bytes pushed through the queue"
     )
     parser.add_argument("--item-kb", type=float, default=16, help="size of one queued item")
+    parser.add_argument("--ranks", type=int, nargs="*", default=[1, 2, 4], help="sharded: ranks")
     parser.add_argument("--limit-mb", type=float, default=64, help="the queue's memory limit")
     args = parser.parse_args()
     if args.dir is not None:
@@ -189,6 +340,9 @@ def main() -> None:
         print(f"model: {sum(t.numel() for t in model.values()) / 1e6:.1f} M float32 parameters")
         bench_checkpoint(tree, nbytes, root, args.repeats)
         del tree, model
+        if args.ranks:
+            bench_sharded(int(args.params), args.ranks, root, args.repeats,
+                          bench_checkpoint.torch_times)  # fmt: skip
         bench_queue(root, args.queue_mb, args.item_kb, args.limit_mb)
     finally:
         shutil.rmtree(root, ignore_errors=True)

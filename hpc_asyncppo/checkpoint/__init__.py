@@ -1,8 +1,7 @@
 """Checkpoints: a folder per step of per-rank HDF5 parts committed by a manifest
-(``protocol``), each part a file of ``store`` (no pickle); and the trainer queue's overflow
-file (``overflow``)."""
+(``protocol``), each part a file of ``store`` (no pickle); ``resume`` picks the one a job
+continues from, ``inspect`` verifies them."""
 
-from hpc_asyncppo.checkpoint.overflow import SpillQueue
 from hpc_asyncppo.checkpoint.store import (
     CheckpointError,
     CheckpointReader,
@@ -16,7 +15,6 @@ from hpc_asyncppo.checkpoint.store import (
 __all__ = [
     "CheckpointError",
     "CheckpointReader",
-    "SpillQueue",
     "load_checkpoint",
     "rng_state",
     "save_checkpoint",

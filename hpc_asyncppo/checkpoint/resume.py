@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.checkpoint.store import CheckpointError
-from hpc_asyncppo.launch.topology import ROLLOUT, Topology
+from hpc_asyncppo.runtime.topology import ROLLOUT, Topology
 
 
 def parts_needed(topo: Topology, manifest: dict) -> list[str]:

@@ -53,7 +53,7 @@ def mpirun_command(run_dir: Path, rollout_ranks: int, train_ranks: int) -> list[
         )
     return [
         mpirun, "-np", str(rollout_ranks + train_ranks), "--oversubscribe", "--bind-to", "none",
-        sys.executable, "-m", "hpc_asyncppo.launch.rank", str(run_dir),
+        sys.executable, "-m", "hpc_asyncppo.rank", str(run_dir),
     ]  # fmt: skip
 
 

@@ -25,6 +25,12 @@ class PromptCursor:
         random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
         return order[self.rank :: self.num_ranks]
 
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
     def next(self) -> tuple[int, int]:
         """(epoch, prompt index) of the next prompt."""
         shard = self._shard()

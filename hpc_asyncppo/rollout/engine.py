@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from hpc_asyncppo.config import Config
-from hpc_asyncppo.rollout.hf_engine import Generation, HFEngine
+from hpc_asyncppo.rollout.generation import Generation
+from hpc_asyncppo.rollout.hf_engine import HFEngine
 
 
 class RolloutEngine(Protocol):

@@ -8,26 +8,13 @@ same quantity the trainer recomputes, so the two agree up to float error for equ
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hpc_asyncppo.config import ModelConfig, RolloutConfig
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class Generation:
-    """The n responses to one prompt. Shapes: (n, L) for ids, log-probs and versions, (n,) for
-    lengths. ``versions``: the weights version that sampled each token (-1 past the length)."""
-
-    response_ids: np.ndarray
-    response_lengths: np.ndarray
-    log_probs: np.ndarray
-    versions: np.ndarray
+from hpc_asyncppo.rollout.generation import DTYPES, Generation, response_lengths
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,13 +26,6 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
         ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
         mask[i, width - len(p) :] = 1
     return ids, mask
-
-
-def response_lengths(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """Tokens up to and including the first EOS, or the full width if there is none. (B, L) -> (B,)"""
-    is_eos = responses == eos_id
-    first = torch.where(is_eos.any(dim=1), is_eos.float().argmax(dim=1), responses.shape[1] - 1)
-    return first + 1
 
 
 class HFEngine:

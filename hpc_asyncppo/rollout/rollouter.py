@@ -24,11 +24,11 @@ import torch
 from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.checkpoint.store import CheckpointReader, rng_state, set_rng_state
 from hpc_asyncppo.config import Config
-from hpc_asyncppo.launch.topology import Topology
 from hpc_asyncppo.rollout.cursor import PromptCursor
 from hpc_asyncppo.rollout.engine import make_engine
-from hpc_asyncppo.rollout.hf_engine import Generation
+from hpc_asyncppo.rollout.generation import Generation
 from hpc_asyncppo.runlog import record_weight_digest, sent_groups_writer, weights_digest
+from hpc_asyncppo.runtime.topology import Topology
 from hpc_asyncppo.tasks import Prompt, Task, load_task, tokenize_prompt
 from hpc_asyncppo.tasks.overlong import usable_prompts
 from hpc_asyncppo.timeline import Timeline
@@ -68,7 +68,7 @@ class Rollouter:
         )
         self._waiting_since: float | None = None  # end of the last wait, if nothing ran since
         if resume is not None:  # last, so that nothing above draws from the restored RNGs
-            self.cursor.epoch, self.cursor.position = resume["epoch"], resume["position"]
+            self.cursor.load_state_dict(resume["cursor"])
             set_rng_state(resume["rng"])
 
     def run(self) -> None:
@@ -151,7 +151,7 @@ class Rollouter:
         Credits not yet used are void: the leader grants them anew after the checkpoint."""
         self.credits = 0
         tree = {
-            "cursor": {"epoch": self.cursor.epoch, "position": self.cursor.position},
+            "cursor": self.cursor.state_dict(),
             "rng": rng_state(),
         }
         folder = protocol.step_dir(self.run_dir, step)
@@ -243,6 +243,6 @@ def run_rollouter(
     if checkpoint is not None:
         part = checkpoint / protocol.rollout_part(topo.world_rank)
         with CheckpointReader(part) as reader:
-            resume = {**reader.get("cursor"), "rng": reader.get("rng")}
+            resume = {"cursor": reader.get("cursor"), "rng": reader.get("rng")}
             log.info("resume read %d bytes, from %s only", reader.bytes_read, part.name)
     Rollouter(cfg, topo, run_dir, resume).run()

@@ -47,7 +47,7 @@ import torch
 from transformers import AutoTokenizer
 
 from hpc_asyncppo.config import ModelConfig, RolloutConfig
-from hpc_asyncppo.rollout.hf_engine import Generation
+from hpc_asyncppo.rollout.generation import Generation
 
 log = logging.getLogger(__name__)
 

@@ -52,6 +52,10 @@ class CreditController:
         self.used -= sum(self.in_flight)
         self.in_flight = [0] * len(self.in_flight)
 
+    def resume(self, trained: int, queued: int) -> None:
+        """After a restore: ``trained`` groups done, ``queued`` waiting, nothing in flight."""
+        self.trained, self.queued = trained, queued
+
     def synced(self) -> None:
         """A new weight version: the budget restarts from what is still outstanding."""
         self.used = self.outstanding

@@ -46,7 +46,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hpc_asyncppo.checkpoint.store import CheckpointError, StateReader
 from hpc_asyncppo.config import Config
-from hpc_asyncppo.rollout.hf_engine import DTYPES
+from hpc_asyncppo.rollout.generation import DTYPES
 from hpc_asyncppo.trainer import algos
 from hpc_asyncppo.trainer.batch import plan_micro_batches, row_tokens, split_to_count, trim
 from hpc_asyncppo.trainer.schedule import LRSchedule

@@ -26,17 +26,17 @@ from mpi4py import MPI
 
 from hpc_asyncppo import runlog
 from hpc_asyncppo.checkpoint import protocol
-from hpc_asyncppo.checkpoint.overflow import SpillQueue
 from hpc_asyncppo.checkpoint.store import CheckpointReader, rng_state, set_rng_state
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.launch.rundir import PREEMPTED
-from hpc_asyncppo.launch.signals import stop_requested
-from hpc_asyncppo.launch.topology import Topology
+from hpc_asyncppo.runtime.signals import stop_requested
+from hpc_asyncppo.runtime.topology import Topology
 from hpc_asyncppo.timeline import Timeline
 from hpc_asyncppo.trainer import algos
 from hpc_asyncppo.trainer.batch import collate, shard_rows, to_tensors
 from hpc_asyncppo.trainer.credits import CreditController
 from hpc_asyncppo.trainer.policy import Policy, peak_memory_mb, ppo_update
+from hpc_asyncppo.trainer.queue import SpillQueue
 from hpc_asyncppo.transport.arrays import pack_arrays, unpack_arrays
 from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleReceiver, decode_group
 from hpc_asyncppo.transport.waits import PeerTimeout, poll_until
@@ -360,8 +360,7 @@ class TrainerLeader:
             meta["samples_dropped"],
         )
         self.elapsed_before_s, self.idle_s = meta["elapsed_s"], meta["idle_s"]
-        self.credits.trained = meta["groups_trained"]
-        self.credits.queued = len(self.queue)
+        self.credits.resume(trained=meta["groups_trained"], queued=len(self.queue))
         # Steps after the checkpoint are trained again: forget what the killed run logged of them.
         runlog.truncate_to_step(self.run_dir, self.step)
         (self.run_dir / PREEMPTED).unlink(missing_ok=True)

@@ -4,7 +4,8 @@ import numpy as np
 import torch
 
 from hpc_asyncppo.config import Config, ModelConfig, RolloutConfig
-from hpc_asyncppo.rollout.hf_engine import HFEngine, left_pad, response_lengths
+from hpc_asyncppo.rollout.generation import response_lengths
+from hpc_asyncppo.rollout.hf_engine import HFEngine, left_pad
 from hpc_asyncppo.trainer.policy import Policy
 
 CPU = torch.device("cpu")

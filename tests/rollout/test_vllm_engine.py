@@ -21,7 +21,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh --
 
 from hpc_asyncppo.config import Config, DataConfig, ModelConfig, RolloutConfig, TinyModelConfig
 from hpc_asyncppo.models.tiny import build_tiny_model
-from hpc_asyncppo.rollout.hf_engine import Generation
+from hpc_asyncppo.rollout.generation import Generation
 from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.policy import Policy
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hpc_asyncppo.launch.slurm.options import ComponentConfig, SlurmConfig
 
-RANK_MODULE = "hpc_asyncppo.launch.rank"
+RANK_MODULE = "hpc_asyncppo.rank"
 STEP_MODULE = "hpc_asyncppo.launch.slurm.step"
 TEMPLATE_PATH = Path(__file__).resolve().parents[3] / "slurm" / "hetjob.sbatch"
 

@@ -1,6 +1,6 @@
 """The batch script's job step: run srun, and end it if it outlives its ranks.
 
-    python -m hpc_asyncppo.launch.slurm.step RUN_DIR srun ... python -m hpc_asyncppo.launch.rank RUN_DIR
+    python -m hpc_asyncppo.launch.slurm.step RUN_DIR srun ... python -m hpc_asyncppo.rank RUN_DIR
 
 Slurm 22.05's srun sometimes never exits after a heterogeneous step has ended: both
 step daemons log "done with job", every task is gone, and srun waits on, holding both

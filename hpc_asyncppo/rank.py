@@ -1,4 +1,4 @@
-"""Per-rank entry point, the same under mpirun and srun: ``python -m hpc_asyncppo.launch.rank RUN_DIR``.
+"""Per-rank entry point, the same under mpirun and srun: ``python -m hpc_asyncppo.rank RUN_DIR``.
 
 Each rank finds its role from its world rank (rollout ranks first), builds the topology
 and runs its role's loop. On any error it records one line in RUN_DIR/errors/rank{i}.txt
@@ -17,7 +17,7 @@ from pathlib import Path
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m hpc_asyncppo.launch.rank RUN_DIR", file=sys.stderr)
+        print("usage: python -m hpc_asyncppo.rank RUN_DIR", file=sys.stderr)
         return 2
     run_dir = Path(argv[0]).resolve()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -25,8 +25,8 @@ def main(argv: list[str]) -> int:
     from mpi4py import MPI
 
     from hpc_asyncppo.launch.rundir import write_rank_error, write_rank_info
-    from hpc_asyncppo.launch.signals import install_stop_handlers
-    from hpc_asyncppo.launch.topology import ROLLOUT, role_of, rollout_rank_count
+    from hpc_asyncppo.runtime.signals import install_stop_handlers
+    from hpc_asyncppo.runtime.topology import ROLLOUT, role_of, rollout_rank_count
 
     install_stop_handlers()  # first: a warning signal during start-up must not kill the rank
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
 
         transformers.utils.logging.disable_progress_bar()
         from hpc_asyncppo.checkpoint.resume import find_resume_checkpoint
-        from hpc_asyncppo.launch.topology import build_topology, close_topology
+        from hpc_asyncppo.runtime.topology import build_topology, close_topology
 
         topo = build_topology(rollout_rank_count(), cfg.timeouts.weight_sync_s)
         logging.getLogger(__name__).info(

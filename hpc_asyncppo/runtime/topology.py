@@ -167,7 +167,7 @@ def _pick_device() -> torch.device:
         # The rank bound itself to its GPU set (launch/gpus.py): its first is cuda:0.
         torch.cuda.set_device(0)
         return torch.device("cuda", 0)
-    # Not bound (topology built outside launch/rank.py): pick by local rank.
+    # Not bound (topology built outside rank.py): pick by local rank.
     local_rank = (
         os.environ.get("SLURM_LOCALID") or os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK") or "0"
     )

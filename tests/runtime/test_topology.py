@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpc_asyncppo.launch.topology import _sharing
+from hpc_asyncppo.runtime.topology import _sharing
 
 
 def test_ranks_on_distinct_gpus_share_nothing() -> None:

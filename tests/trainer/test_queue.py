@@ -9,8 +9,8 @@ from collections import deque
 import numpy as np
 import pytest
 
-from hpc_asyncppo.checkpoint.overflow import SpillQueue
 from hpc_asyncppo.checkpoint.store import load_checkpoint, save_checkpoint
+from hpc_asyncppo.trainer.queue import SpillQueue
 
 
 def item(i: int, rng: random.Random) -> np.ndarray:
