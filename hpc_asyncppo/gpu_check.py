@@ -118,7 +118,8 @@ def check_gpu_binding(device: torch.device, work: Path) -> str:
 def check_fsdp2_step(device: torch.device, work: Path) -> str:
     """One PPO update of the FSDP2 policy: bf16 compute, fp32 master weights that move."""
     from hpc_asyncppo.trainer.batch import to_tensors
-    from hpc_asyncppo.trainer.policy import gather_full, peak_memory_mb, ppo_update
+    from hpc_asyncppo.trainer.model import gather_full
+    from hpc_asyncppo.trainer.policy import peak_memory_mb, ppo_update
 
     policy = _policy(work, device)
     before = {n: gather_full(p).clone() for n, p in policy.model.named_parameters()}
@@ -139,7 +140,8 @@ def check_checkpoint(device: torch.device, work: Path) -> str:
     protocol (write, commit, verify, read the rows back): same weights, same next step."""
     from hpc_asyncppo.checkpoint import protocol
     from hpc_asyncppo.trainer.batch import to_tensors
-    from hpc_asyncppo.trainer.policy import gather_full, ppo_update
+    from hpc_asyncppo.trainer.model import gather_full
+    from hpc_asyncppo.trainer.policy import ppo_update
     from hpc_asyncppo.trainer.trainer import restore_trainer_part, write_trainer_part
 
     a = _policy(work, device)

@@ -1,10 +1,7 @@
-"""The trained policy on the trainer ranks, sharded with FSDP2, and one PPO update.
+"""The trained policy of one trainer rank and one PPO update on its rows of the batch.
 
-The model is a Hugging Face causal LM (plus a value head for GAE), wrapped in
-``PolicyModule`` and sharded by ``shard_model`` the same way for any number of trainer
-ranks T, one included: ``fully_shard`` on every decoder layer, then on the root (embeddings,
-final norm, LM head, value head). It is built on the meta device and each rank reads only
-its own rows of every tensor from the model's safetensors files.
+``Policy`` holds the sharded model (``model.py``), its optimizer, the LR schedule and the
+frozen reference; ``ppo_update`` runs one trainer step. Collective over the trainer ranks.
 
 What a trainer rank holds, for N parameters:
 - its 1/T of the master weights (fp32), of their gradients (fp32) and of AdamW's two
@@ -18,250 +15,38 @@ What a trainer rank holds, for N parameters:
   ``model.dtype`` (2 N / T bytes for bf16), without gradients or optimizer state.
 
 Mixed precision: forward and backward run in ``model.dtype``; gradients are reduce-scattered
-in fp32 and summed (not averaged): the loss of each micro-batch is already its share of the
-mini-batch's loss over every rank (``algos.agg_loss_share``), so an update does not depend
-on how rows are split over ranks and micro-batches.
+in fp32 and summed: the loss of each micro-batch is already its share of the mini-batch's
+loss over every rank (``algos.agg_loss_share``), so an update does not depend on how rows
+are split over ranks and micro-batches.
 
-Weights leave the trainer one tensor at a time (``named_weights``, ``state_sources``): every
-trainer rank takes part in gathering each tensor, the leader uses it, and it is freed.
+Weights leave the trainer one tensor at a time (``named_weights``: every trainer rank takes
+part in gathering each tensor, the leader sends it, and it is freed); a checkpoint takes
+each rank's own shards (``shard_tree``) and a restore reads back each rank's rows.
 """
 
 from __future__ import annotations
 
-import json
 import resource
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from hpc_asyncppo.checkpoint.store import CheckpointError, StateReader
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.rollout.generation import DTYPES
 from hpc_asyncppo.trainer import algos
 from hpc_asyncppo.trainer.batch import plan_micro_batches, row_tokens, split_to_count, trim
+from hpc_asyncppo.trainer.model import (
+    PolicyModule,
+    build_sharded,
+    gather_full,
+    shard_rows_of,
+)
 from hpc_asyncppo.trainer.schedule import LRSchedule
-
-
-class PolicyModule(nn.Module):
-    """The LM and its optional value head as one root module: FSDP gathers the root unit's
-    weights (embeddings, LM head, value head) around this forward."""
-
-    def __init__(self, lm: nn.Module, value_head: nn.Linear | None):
-        super().__init__()
-        self.lm, self.value_head = lm, value_head
-
-    def forward(
-        self,
-        batch: dict[str, torch.Tensor],
-        temperature: float,
-        chunk_tokens: int,
-        with_entropy: bool = False,
-        with_values: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Sampled-token log-probs (B, L) of log_softmax(logits / temperature), entropy
-        (B, L) or None, values (B, L) or None, for a batch of left-padded prompts followed
-        by right-padded responses."""
-        prompt_width = batch["prompt_ids"].shape[1]
-        input_ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
-        attention = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1).long()
-        position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
-        base = getattr(self.lm, self.lm.base_model_prefix)
-        hidden = base(
-            input_ids=input_ids,
-            attention_mask=attention,
-            position_ids=position_ids,
-            use_cache=False,
-        ).last_hidden_state
-        # The state at position t predicts token t + 1: responses start after the prompt.
-        hidden = hidden[:, prompt_width - 1 : -1]
-        log_probs, entropy = token_log_probs(
-            self.lm.get_output_embeddings(),
-            hidden,
-            batch["response_ids"],
-            temperature,
-            chunk_tokens,
-            with_entropy,
-        )
-        values = None
-        if with_values and self.value_head is not None:
-            values = self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)
-        return log_probs, entropy, values
-
-
-def token_log_probs(
-    head: nn.Module,
-    hidden: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float,
-    chunk_tokens: int,
-    with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log_softmax(head(hidden) / temperature) at ``targets``, (B, L), and the entropy.
-
-    The logits exist ``chunk_tokens`` rows at a time, in fp32; under autograd each chunk is
-    recomputed in the backward, so only the hidden states are kept between the two.
-    """
-    width = hidden.shape[-1]
-    flat_hidden, flat_targets = hidden.reshape(-1, width), targets.reshape(-1)
-
-    def chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = head(h).float() / temperature
-        log_z = torch.logsumexp(logits, dim=-1)
-        picked = logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) - log_z
-        if not with_entropy:
-            return picked, picked.new_zeros(0)
-        entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
-        return picked, entropy
-
-    picked, entropies = [], []
-    for start in range(0, flat_hidden.shape[0], chunk_tokens):
-        h, t = flat_hidden[start : start + chunk_tokens], flat_targets[start : start + chunk_tokens]
-        if torch.is_grad_enabled():
-            lp, ent = checkpoint(chunk, h, t, use_reentrant=False)
-        else:
-            lp, ent = chunk(h, t)
-        picked.append(lp)
-        entropies.append(ent)
-    # reshape(...).clone(): a module's output must not be a view (FSDP's backward hook)
-    log_probs = torch.cat(picked).reshape(targets.shape).clone()
-    entropy = torch.cat(entropies).reshape(targets.shape).clone() if with_entropy else None
-    return log_probs, entropy
-
-
-def decoder_layers(lm: nn.Module) -> list[nn.Module]:
-    """The model's transformer blocks (the classes HF never splits across devices)."""
-    names = set(getattr(lm, "_no_split_modules", None) or [])
-    layers = [m for m in lm.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ValueError(f"{type(lm).__name__}: cannot find its decoder layers to shard")
-    return layers
-
-
-def shard_model(module: PolicyModule, mesh: DeviceMesh, compute: torch.dtype | None) -> None:
-    """FSDP2: one unit per decoder layer, then the root; compute in ``compute``, gradients
-    reduced in fp32 and summed over the ranks (the loss is normalised globally)."""
-    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-    layers = decoder_layers(module.lm)
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(module, mesh=mesh, mp_policy=policy)
-    for unit in [*layers, module]:
-        unit.set_gradient_divide_factor(1.0)
-        # plain SUM (gloo has no PREMUL_SUM; with a factor of 1 nothing is scaled anyway)
-        unit.set_force_sum_reduction_for_comms(True)
-
-
-def shard_rows_of(tensor: torch.Tensor, full_rows: int) -> slice:
-    """Rows of the full tensor that this rank's local shard of ``tensor`` holds (FSDP2
-    shards dim 0 like ``torch.chunk``: ceil(rows / T) per rank, the last ones shorter)."""
-    if not isinstance(tensor, DTensor):
-        return slice(0, full_rows)
-    mesh = tensor.device_mesh
-    per_rank = -(-full_rows // mesh.size())
-    start = min(mesh.get_local_rank() * per_rank, full_rows)
-    return slice(start, min(start + per_rank, full_rows))
-
-
-@torch.no_grad()
-def set_full(tensor: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's rows of ``full`` (the whole tensor) into ``tensor`` (sharded or not)."""
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    if full.dim() == 0:
-        local.copy_(full)
-        return
-    rows = shard_rows_of(tensor, full.shape[0])
-    local.copy_(full[rows].to(local.dtype))
-
-
-def gather_full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on every trainer rank (collective for a sharded one)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-class SafetensorsWeights:
-    """Reads rows of tensors from an HF folder's safetensors files (one file or an index)."""
-
-    def __init__(self, folder: str | Path):
-        folder = Path(folder)
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            mapping = json.loads(index.read_text())["weight_map"]
-            self.files = {name: folder / file for name, file in mapping.items()}
-        elif (folder / "model.safetensors").is_file():
-            with safe_open(folder / "model.safetensors", "pt") as f:
-                self.files = {name: folder / "model.safetensors" for name in f.keys()}  # noqa: SIM118
-        else:
-            raise ValueError(f"model.path={str(folder)!r} has no model.safetensors (or its index)")
-
-    def read(self, name: str, rows: slice | None) -> torch.Tensor:
-        if name not in self.files:
-            raise ValueError(f"the model's safetensors files have no tensor {name!r}")
-        with safe_open(self.files[name], "pt") as f:
-            part = f.get_slice(name)
-            return part[rows] if rows is not None and part.get_shape() else part[:]
-
-
-def build_sharded(
-    cfg: Config,
-    mesh: DeviceMesh,
-    device: torch.device,
-    master: torch.dtype,
-    compute: torch.dtype | None,
-    with_value_head: bool,
-) -> PolicyModule:
-    """The LM (and value head) on the meta device, sharded, then each rank's rows read in."""
-    config = AutoConfig.from_pretrained(cfg.model.path)
-    config.use_cache = False
-    with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(
-            config, dtype=master, attn_implementation=cfg.model.attn_implementation
-        )
-        value_head = nn.Linear(config.hidden_size, 1, dtype=master) if with_value_head else None
-    if cfg.actor.gradient_checkpointing:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    module = PolicyModule(lm, value_head)
-    shard_model(module, mesh, compute)
-    module.to_empty(device=device)
-    weights = SafetensorsWeights(cfg.model.path)
-    for name, param in lm.named_parameters():
-        _load_rows(param, weights, name)
-    for sub in lm.modules():  # non-persistent buffers (rotary frequencies) are not in the files
-        if list(sub.buffers(recurse=False)) and not list(sub.parameters(recurse=False)):
-            lm._init_weights(sub)
-    if value_head is not None:
-        # The same initial value head on every rank, whatever T: drawn whole, then sliced.
-        gen = torch.Generator().manual_seed(cfg.trainer.seed)
-        bound = config.hidden_size**-0.5
-        full_w = (torch.rand(1, config.hidden_size, generator=gen) * 2 - 1) * bound
-        set_full(value_head.weight, full_w)
-        set_full(value_head.bias, torch.zeros(1))
-    return module
-
-
-@torch.no_grad()
-def _load_rows(param: torch.Tensor, weights: SafetensorsWeights, name: str) -> None:
-    local = param.to_local() if isinstance(param, DTensor) else param
-    if param.dim() == 0:
-        local.copy_(weights.read(name, None))
-        return
-    rows = shard_rows_of(param, param.shape[0])
-    part = weights.read(name, rows)
-    if tuple(part.shape) != tuple(local.shape):
-        raise ValueError(
-            f"tensor {name!r} in {weights.files[name]}: rows {rows.start}:{rows.stop} have shape "
-            f"{tuple(part.shape)}, this rank's shard {tuple(local.shape)}"
-        )
-    local.copy_(part.to(local.dtype))
 
 
 class Policy:

@@ -114,7 +114,7 @@ def make_batch(rows: int = 24, seed: int = 0) -> dict:
 
 def full_state(policy) -> dict[str, np.ndarray]:
     """Every parameter and optimizer state tensor, whole (collective)."""
-    from hpc_asyncppo.trainer.policy import gather_full
+    from hpc_asyncppo.trainer.model import gather_full
 
     out = {}
     params = list(policy.module.named_parameters())

@@ -18,10 +18,10 @@ import torch.multiprocessing as mp
 from hpc_asyncppo.checkpoint.store import TreeReader
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.trainer.batch import shard_rows, to_tensors
+from hpc_asyncppo.trainer.model import gather_full
 from hpc_asyncppo.trainer.policy import (
     Policy,
     accumulate_gradients,
-    gather_full,
     mini_batch_plans,
     ppo_update,
     reference_quantities,
