@@ -37,22 +37,6 @@ def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return read_full(step_dir(run_dir, step), "model")
 
 
-def test_sync_run_resumed_halfway_ends_with_bitwise_identical_weights(tmp_path):
-    common = [*SMALL, "async_training.mode=sync", "checkpoint.save_every=0"]
-    whole, half = tmp_path / "whole", tmp_path / "half"
-    assert submit("--run-dir", str(whole), *common, "trainer.total_steps=8").returncode == 0
-    first = submit("--run-dir", str(half), *common, "trainer.total_steps=4")
-    assert first.returncode == 0, first.stderr
-    second = submit("--resume", str(half), "trainer.total_steps=8")
-    assert second.returncode == 0, second.stderr
-    a, b = final_weights(whole, 8), final_weights(half, 8)
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), f"{name} differs after resume"
-    rows = {d: read_jsonl(d / "trained_samples.jsonl") for d in (whole, half)}
-    assert [r["uid"] for r in rows[whole]] == [r["uid"] for r in rows[half]]
-
-
 def cursor_prefix(
     rank: int, ranks: int, seed: int, num_prompts: int, count: int
 ) -> set[tuple[int, int]]:

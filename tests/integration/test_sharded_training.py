@@ -87,6 +87,8 @@ def test_sync_runs_end_equal_whatever_the_split(tmp_path):
 
 
 def test_two_trainer_ranks_resume_exactly_and_onto_another_count(tmp_path):
+    """The exact-resume test: a sync run resumed halfway ends with bitwise-equal weights
+    (2 trainer ranks); the same checkpoint resumed on 1 trainer rank goes on equally."""
     common = ["--train-ranks", "2", *SMALL, "async_training.mode=sync", "checkpoint.save_every=0"]
     whole, half, moved = tmp_path / "whole", tmp_path / "half", tmp_path / "moved"
     submit(whole, *common, "trainer.total_steps=8")
@@ -94,8 +96,11 @@ def test_two_trainer_ranks_resume_exactly_and_onto_another_count(tmp_path):
     shutil.copytree(half, moved)  # the same first half, to resume on another rank count
     submit(None, "--resume", str(half), "trainer.total_steps=8")
     a, b = final_weights(whole, 8), final_weights(half, 8)
+    assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs after resume on 2 ranks"
+    rows = {d: [r["uid"] for r in read_jsonl(d / "trained_samples.jsonl")] for d in (whole, half)}
+    assert rows[whole] == rows[half]
     # written by 2 trainer ranks, resumed on 1: the shards are re-cut, the run goes on
     submit(None, "--resume", str(moved), "--train-ranks", "1", "trainer.total_steps=8")
     assert relative_difference(a, final_weights(moved, 8)) <= 1e-4
