@@ -13,8 +13,8 @@ Back-to-back spans of the same kind with no fields (the rollout's 2 ms waits) ar
 into one, so a long wait is one line.
 
 Spans by role (``SPANS``): rollout ranks ``generate``, ``send``, ``wait`` (no credits),
-``sync`` (weights received); trainer ranks ``wait`` (leader: for samples; followers: for
-their shard), ``train`` (one step: batch, PPO update, logging), ``sync`` (leader: weights
+``sync`` (weights received), ``checkpoint`` (writing its part); trainer ranks ``wait``
+(leader: for samples; followers: for their shard), ``train`` (one step: batch, PPO update, logging), ``sync`` (leader: weights
 broadcast), ``checkpoint``.
 
 The idle ratios logged in metrics.jsonl are recomputed from these spans by
@@ -37,7 +37,7 @@ from hpc_asyncppo.runlog import end_torn_line
 
 TIMELINE = "timeline"
 SPANS = {
-    "rollout": ("generate", "send", "wait", "sync"),
+    "rollout": ("generate", "send", "wait", "sync", "checkpoint"),
     "trainer": ("wait", "train", "sync", "checkpoint"),
 }
 FLUSH_EVERY_S = 1.0

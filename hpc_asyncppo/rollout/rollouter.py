@@ -155,7 +155,9 @@ class Rollouter:
             "rng": rng_state(),
         }
         folder = protocol.step_dir(self.run_dir, step)
-        part = protocol.write_part(folder, protocol.rollout_part(self.rank), tree)
+        with self.timeline.span("checkpoint"):
+            part = protocol.write_part(folder, protocol.rollout_part(self.rank), tree)
+        self._waiting_since = None  # writing the part was not waiting for credits
         report = pack_arrays({}, {"part": part.to_json(), "groups_sent": self.sender.groups_sent})
         self.sender.send_state(report, self.cfg.timeouts.rank_wait_s)
 
