@@ -23,6 +23,7 @@ own shard's bytes (the load's destination tensors exist before it starts, as a m
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -186,7 +187,8 @@ def shard_tree(params: int, rank: int, ranks: int) -> tuple[dict, int]:
         layout[f"model/{name}"] = [start, *full.shape]
         for key in ("exp_avg", "exp_avg_sq"):
             layout[f"optimizer/state/{i}/{key}"] = [start, *full.shape]
-    tree = {"model": model, "optimizer": {"state": state, "param_groups": []}, "layout": layout}
+    tree = {"model": model, "optimizer": {"state": state, "param_groups": []},
+            "layout": json.dumps(layout)}  # fmt: skip
     nbytes = sum(t.nbytes for t in model.values()) * 3
     return tree, nbytes
 

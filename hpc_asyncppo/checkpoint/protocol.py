@@ -4,8 +4,8 @@ commits the set with a manifest, and on resume every rank verifies and reads onl
 A checkpoint of step N is the folder ``RUN_DIR/checkpoints/step_<N>/``::
 
     trainer<k>.h5   trainer rank k's shards: its rows of every parameter and optimizer
-                    state tensor (with each tensor's first row and global row count in
-                    ``layout``), the optimizer's hyperparameters, the LR schedule, its RNGs
+                    state tensor (``layout``, JSON: each tensor's first row and whole
+                    shape), the optimizer's hyperparameters, the LR schedule, its RNGs
     rollout<r>.h5   rollout rank r's data cursor and RNGs
     leader.h5       the trainer's sample queue (every group received and not yet trained)
     manifest.json   step, counters, rank counts, and every part with its size and checksum
@@ -315,7 +315,8 @@ class ShardedReader:
         for k in sorted(set(parts) | {0}):
             reader = CheckpointReader(folder / trainer_part(k)).__enter__()
             self.readers[k] = reader
-            self.layouts[k] = reader.get("layout") or {}
+            layout = reader.get("layout")  # JSON text: {tensor path: [first row, *shape]}
+            self.layouts[k] = json.loads(layout) if layout else {}
 
     def close(self) -> None:
         for reader in self.readers.values():

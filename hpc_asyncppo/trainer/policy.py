@@ -26,6 +26,7 @@ each rank's own shards (``shard_tree``) and a restore reads back each rank's row
 
 from __future__ import annotations
 
+import json
 import resource
 from collections.abc import Iterator
 
@@ -153,7 +154,7 @@ class Policy:
         groups = self.optimizer.state_dict()["param_groups"]
         tree["optimizer"] = {"state": state, "param_groups": groups}
         tree["lr_schedule"] = self.schedule.state_dict()
-        tree["layout"] = layout
+        tree["layout"] = json.dumps(layout)  # one small dataset, not one per tensor
         return tree
 
     def state_bytes(self) -> int:
