@@ -327,3 +327,54 @@ def test_importance_weights_do_not_overflow_and_are_detached(level):
 def test_importance_weights_reject_unknown_level():
     with pytest.raises(ValueError, match="token, sequence"):
         algos.rollout_importance_weights(t(OLD), t(ROLLOUT), t(IS_MASK), "geometric", 2.0)
+
+
+# --- losses over a mini-batch split into parts (micro-batches, trainer ranks) ---------------
+
+
+def test_agg_loss_share_by_hand():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    # the whole mini-batch has 6 tokens in 3 responses; this part is 4 of them, 2 responses
+    assert algos.agg_loss_share(loss, mask, "token-mean", 6, 3).item() == pytest.approx(10 / 6)
+    assert algos.agg_loss_share(loss, mask, "seq-mean-token-sum", 6, 3).item() == pytest.approx(
+        (6 + 4) / 3
+    )
+    assert algos.agg_loss_share(loss, mask, "seq-mean-token-mean", 6, 3).item() == pytest.approx(
+        (2 + 4) / 3
+    )
+    assert algos.loss_normalisers(mask).tolist() == [4.0, 2.0]
+
+
+@pytest.mark.parametrize("mode", algos.LOSS_AGG_MODES)
+def test_shares_of_any_split_add_up_to_the_whole_batch_loss(mode):
+    g = torch.Generator().manual_seed(0)
+    loss = torch.randn(10, 7, generator=g)
+    lengths = torch.tensor([7, 1, 3, 0, 5, 2, 7, 4, 6, 1])
+    mask = (torch.arange(7)[None] < lengths[:, None]).int()
+    whole = algos.agg_loss(loss, mask, mode)
+    tokens, seqs = algos.loss_normalisers(mask).tolist()
+    for cuts in ([10], [5, 5], [1, 2, 3, 4], [3, 3, 3, 1]):
+        parts = zip(loss.split(cuts), mask.split(cuts), strict=True)
+        total = sum(algos.agg_loss_share(lp, mp, mode, tokens, seqs) for lp, mp in parts)
+        assert total.item() == pytest.approx(whole.item(), rel=1e-6), cuts
+    # a per-part mean (what the old code did) is not the same number on this batch
+    halves = [
+        algos.agg_loss(lp, mp, mode) for lp, mp in zip(loss.split(5), mask.split(5), strict=True)
+    ]
+    if mode != "seq-mean-token-mean":
+        assert abs(sum(halves).item() / 2 - whole.item()) > 1e-3
+
+
+def test_whitening_with_summed_moments_equals_whitening_the_whole():
+    g = torch.Generator().manual_seed(1)
+    values = torch.randn(8, 5, generator=g)
+    mask = (torch.rand(8, 5, generator=g) > 0.3).int()
+    whole = algos.masked_whiten(values, mask)
+    moments = algos.masked_moments(values[:3], mask[:3]) + algos.masked_moments(
+        values[3:], mask[3:]
+    )
+    parts = torch.cat(
+        [algos.whiten_with(values[:3], moments), algos.whiten_with(values[3:], moments)]
+    )
+    assert torch.allclose(parts, whole, atol=1e-6)

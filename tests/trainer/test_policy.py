@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from hpc_asyncppo.checkpoint.store import TreeReader
 from hpc_asyncppo.config import Config
+from hpc_asyncppo.gpu_check import random_batch
 from hpc_asyncppo.trainer.batch import shard_rows, to_tensors
 from hpc_asyncppo.trainer.model import gather_full
 from hpc_asyncppo.trainer.policy import (
@@ -32,20 +33,7 @@ CPU = torch.device("cpu")
 
 def make_batch(rows: int = 16, prompt: int = 4, length: int = 6, seed: int = 0) -> dict:
     """Rows with prompts of 1..prompt tokens (left-padded) and responses of 1..length tokens."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(1, length + 1, rows)
-    prompt_lengths = rng.integers(1, prompt + 1, rows)
-    return {
-        "prompt_ids": rng.integers(4, 15, (rows, prompt)).astype(np.int32),
-        "prompt_mask": (np.arange(prompt)[None] >= prompt - prompt_lengths[:, None]).astype(
-            np.int8
-        ),
-        "response_ids": rng.integers(4, 15, (rows, length)).astype(np.int32),
-        "response_mask": (np.arange(length)[None] < lengths[:, None]).astype(np.int8),
-        "rollout_log_probs": -rng.random((rows, length)).astype(np.float32),
-        "rewards": rng.random(rows).astype(np.float32),
-        "advantages": rng.normal(size=rows).astype(np.float32),
-    }
+    return random_batch(rows, seed, prompt, length)
 
 
 def make_cfg(model_dir: Path, **sections: dict) -> Config:
