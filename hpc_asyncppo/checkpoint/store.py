@@ -663,12 +663,6 @@ class CheckpointReader:
         return [reader.key(obj[name], name) for name in obj]
 
 
-def read_meta(path: str | Path) -> dict:
-    """A checkpoint's metadata (step, version, counters) without reading its tensors."""
-    with CheckpointReader(path) as reader:
-        return reader.meta
-
-
 # --- model compatibility ----------------------------------------------------------------
 
 

@@ -42,15 +42,6 @@ def collate(
     }
 
 
-def split_rows(batch: dict[str, np.ndarray], parts: int) -> list[dict[str, np.ndarray]]:
-    """``parts`` equal contiguous slices of every array (rows must divide evenly)."""
-    rows = batch["rewards"].shape[0]
-    if rows % parts:
-        raise ValueError(f"{rows} rows do not split into {parts} equal parts")
-    size = rows // parts
-    return [{k: v[i * size : (i + 1) * size] for k, v in batch.items()} for i in range(parts)]
-
-
 def shard_rows(batch: dict[str, np.ndarray], ranks: int, minis: int) -> list[dict[str, np.ndarray]]:
     """Each trainer rank's rows: the batch is cut into ``minis`` contiguous mini-batches and
     each mini-batch into ``ranks`` equal slices; rank r gets its slice of every mini-batch,
