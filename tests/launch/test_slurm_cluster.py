@@ -158,7 +158,10 @@ def test_scancel_ends_the_job_cleanly(shared_dir: Path) -> None:
     assert waiter.returncode == 1 and f"job {job_id} ended CANCELLED" in err, out + err
     assert "Traceback" not in err
     assert job_state(job_id) == "CANCELLED"
-    assert_no_processes_left(run_dir)
+    # A rank killed at scancel leaves no record, and Slurm 22.05's srun may then hang: the
+    # step wrapper ends it step_exit_s (60 s) after srun reports the deaths, SIGKILL 15 s
+    # later (launch/slurm/step.py). Bounded, so wait that long before calling it a leak.
+    assert_no_processes_left(run_dir, timeout_s=90)
 
 
 def test_a_failing_rank_ends_the_whole_job(shared_dir: Path) -> None:
