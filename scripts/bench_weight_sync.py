@@ -115,9 +115,11 @@ def project_sync(end, version: int, weights: list, model: dict) -> int:
     if isinstance(end, WeightBroadcaster):
         end.broadcast(version, iter(weights), specs=specs_of(weights))
         return end.peak_bytes
-    for bucket in end.receive().buckets():
+    # large tensors are received straight into the model, as the HF engine has them
+    for bucket in end.receive().buckets(into=model.get):
         for name, tensor in bucket.items():
-            model[name].copy_(tensor)
+            if tensor.data_ptr() != model[name].data_ptr():
+                model[name].copy_(tensor)
     return end.peak_bytes
 
 

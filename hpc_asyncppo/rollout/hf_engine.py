@@ -36,6 +36,7 @@ class HFEngine:
             device
         )
         self.model.eval()
+        self._params = dict(self.model.named_parameters())
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
@@ -159,13 +160,19 @@ class HFEngine:
             for name, src in bucket.items():
                 if name in loaded or name not in params:
                     raise RuntimeError(f"weight sync carried {name!r} twice or unannounced")
-                params[name].copy_(src)
+                if src.data_ptr() != params[name].data_ptr():  # not received in place
+                    params[name].copy_(src)
                 loaded.add(name)
         if loaded != set(params):
             raise RuntimeError(
                 f"weight sync ended without {sorted(set(params) - loaded)[:5]}: the model is half-loaded"
             )
         self.version = version
+
+    def weight_destination(self, name: str) -> torch.Tensor | None:
+        """The parameter's own storage: a sync receives large tensors straight into it."""
+        param = self._params.get(name)
+        return None if param is None else param.detach()
 
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int = -1) -> None:
         """Load a whole set of weights at once (one bucket of everything)."""

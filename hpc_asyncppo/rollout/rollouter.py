@@ -172,7 +172,10 @@ class Rollouter:
             )
         # The engine takes the whole sync before the loop steps it again: no generation
         # step runs on half-loaded weights.
-        self.engine.load_buckets(incoming.specs(), incoming.buckets(), version)
+        # Large tensors are received straight into the engine's parameters where it has them
+        # in this process (hf), the rest bucket by bucket.
+        buckets = incoming.buckets(into=self.engine.weight_destination)
+        self.engine.load_buckets(incoming.specs(), buckets, version)
         if self.version < 0:  # time counts from the first sync, as on the trainer
             self.started_at, self.idle_s = time.monotonic(), 0.0
         self.version = version

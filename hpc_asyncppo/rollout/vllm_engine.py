@@ -279,6 +279,9 @@ class VLLMEngine:
         self.load_buckets(specs, [tensors], version)
 
     @torch.no_grad()
+    def weight_destination(self, name: str) -> torch.Tensor | None:
+        return None  # the weights live in vLLM's worker: buckets go through its transfer path
+
     def load_buckets(
         self,
         specs: list[tuple[str, tuple[int, ...], torch.dtype]],

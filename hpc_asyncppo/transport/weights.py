@@ -20,8 +20,10 @@ of any dtype are aligned whatever the order and lengths of the tensors before it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -30,6 +32,10 @@ import torch.distributed as dist
 
 _DTYPES = {str(dt): dt for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 ALIGN = 16  # bytes: every tensor's offset in its bucket is a multiple of this
+# A tensor of at least this many bytes travels alone and without copies: broadcast from the
+# tensor itself and, where the consumer names a destination, received straight into it.
+# Below it, tensors are packed into shared buckets (one collective for many small ones).
+DIRECT_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,7 @@ class TensorSlot:
     bucket: int
     offset: int  # byte offset inside the bucket
     nbytes: int
+    direct: bool = False  # alone in its bucket, sent from the tensor and received in place
 
 
 WeightSpec = tuple[str, tuple[int, ...], torch.dtype]  # name, shape, dtype
@@ -50,20 +57,47 @@ def specs_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[WeightSpec]:
 
 
 def plan_buckets(
-    named: list[tuple[str, torch.Tensor]] | list[WeightSpec], bucket_bytes: int
+    named: list[tuple[str, torch.Tensor]] | list[WeightSpec],
+    bucket_bytes: int,
+    direct_bytes: int = DIRECT_BYTES,
 ) -> list[TensorSlot]:
-    """Assign tensors (or their specs), in order, to buckets of at most ``bucket_bytes``
-    (a larger tensor gets its own), each at an ``ALIGN``-byte offset."""
-    slots, bucket, used = [], 0, 0
+    """Assign tensors (or their specs), taken in order, to buckets numbered in the order
+    they go on the wire.
+
+    A tensor of ``min(direct_bytes, bucket_bytes)`` bytes or more is ``direct``: a bucket
+    of its own, sent as soon as it comes. Smaller ones are packed, each at an
+    ``ALIGN``-byte offset, into one open bucket of at most ``bucket_bytes`` that is sent
+    when the next small tensor does not fit (or at the end): the small tensors of many
+    layers share a bucket while the large ones between them go out alone, so that a sync
+    takes few more collectives than it has large tensors."""
+    slots: list[TensorSlot] = []
+    number = 0  # buckets numbered so far
+    open_slots: list[int] = []  # positions in ``slots`` of the open packed bucket's tensors
+    used = 0
+
+    def close() -> None:
+        nonlocal number, used
+        for i in open_slots:
+            slots[i] = dataclasses.replace(slots[i], bucket=number)
+        number, used = number + 1, 0
+        open_slots.clear()
+
     for item in named:
         name, shape, dtype = (
             item if len(item) == 3 else (item[0], tuple(item[1].shape), item[1].dtype)
         )
         nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
-        if used and used + nbytes > bucket_bytes:
-            bucket, used = bucket + 1, 0
-        slots.append(TensorSlot(name, str(dtype), tuple(shape), bucket, used, nbytes))
+        if nbytes > 0 and nbytes >= min(direct_bytes, bucket_bytes):
+            slots.append(TensorSlot(name, str(dtype), tuple(shape), number, 0, nbytes, True))
+            number += 1
+            continue
+        if open_slots and used + nbytes > bucket_bytes:
+            close()
+        open_slots.append(len(slots))
+        slots.append(TensorSlot(name, str(dtype), tuple(shape), -1, used, nbytes))
         used = (used + nbytes + ALIGN - 1) // ALIGN * ALIGN
+    if open_slots:
+        close()
     return slots
 
 
@@ -87,24 +121,33 @@ def stream_buckets(
     device: torch.device,
     take: Callable[[int, int], torch.Tensor] | None = None,
 ) -> Iterator[tuple[int, torch.Tensor]]:
-    """(bucket index, filled bucket) as soon as each is complete, taking the tensors one at a
-    time in ``slots``' order. ``take(index, nbytes)`` supplies each bucket's buffer (default:
-    a new one each), so a caller can recycle two buffers."""
+    """(bucket index, filled bucket) in index order, each as soon as it is complete, taking
+    the tensors one at a time in ``slots``' order. ``take(index, nbytes)`` supplies each
+    packed bucket's buffer (default: a new one each), so a caller can recycle two buffers.
+    A direct slot's bucket is the tensor's own bytes (moved to ``device`` and made
+    contiguous only if it is not already): nothing is copied for it."""
     sizes = bucket_sizes(slots)
     take = take or (lambda _, nbytes: torch.empty(nbytes, dtype=torch.uint8, device=device))
-    current, buf = -1, None
+    current, buf = -1, None  # the open packed bucket
     for (name, tensor), slot in zip(named, slots, strict=True):
         if name != slot.name:
             raise ValueError(f"weights came out of order: got {name!r}, planned {slot.name!r}")
+        raw = _bytes_of(tensor.detach().to(device))
+        if slot.direct:
+            yield slot.bucket, raw
+            continue
         if slot.bucket != current:
             if buf is not None:
                 yield current, buf
-            current = slot.bucket
-            buf = take(current, sizes[current])
-        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            current, buf = slot.bucket, take(slot.bucket, sizes[slot.bucket])
         buf[slot.offset : slot.offset + slot.nbytes].copy_(raw)
     if buf is not None:
         yield current, buf
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (a copy only if not contiguous)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
 def unpack(buckets: list[torch.Tensor], slots: list[TensorSlot]) -> dict[str, torch.Tensor]:
@@ -116,67 +159,109 @@ def _view(bucket: torch.Tensor, s: TensorSlot) -> torch.Tensor:
     return bucket[s.offset : s.offset + s.nbytes].view(_DTYPES[s.dtype]).view(s.shape)
 
 
-def encode_header(version: int, slots: list[TensorSlot]) -> bytes:
+def encode_header(version: int, slots: list[TensorSlot], bucket_bytes: int = 0) -> bytes:
     return json.dumps(
-        {"version": version, "slots": [list(s.__dict__.values()) for s in slots]}
+        {
+            "version": version,
+            "bucket_bytes": bucket_bytes,
+            "slots": [list(s.__dict__.values()) for s in slots],
+        }
     ).encode()
 
 
 def decode_header(raw: bytes) -> tuple[int, list[TensorSlot]]:
+    return _decode(raw)[:2]
+
+
+def _decode(raw: bytes) -> tuple[int, list[TensorSlot], int]:
     header = json.loads(raw)
     slots = [
-        TensorSlot(n, dt, tuple(shape), b, off, nb) for n, dt, shape, b, off, nb in header["slots"]
+        TensorSlot(n, dt, tuple(shape), b, off, nb, bool(direct))
+        for n, dt, shape, b, off, nb, direct in header["slots"]
     ]
     for s in slots:
         if s.dtype not in _DTYPES:
             raise ValueError(f"weight {s.name!r} has unsupported dtype {s.dtype}")
-    return int(header["version"]), slots
+    return int(header["version"]), slots, int(header.get("bucket_bytes", 0))
 
 
-class BucketPair:
-    """Two flat uint8 buffers that buckets take turns in (bucket k uses buffer k % 2).
+class Window:
+    """The bucket operations in flight, oldest first, and two flat uint8 buffers.
 
-    A buffer is handed out again only once the operation last posted on it has completed,
-    so at most two buckets exist at a time: one on the wire, one being filled (sender) or
-    consumed (receiver). A buffer is replaced when a bucket needs more room than it has (a
-    tensor larger than the bucket size travels alone) or less than half of it, so that a
-    large tensor's buffer does not stay beside the next normal bucket's.
-    ``held_bytes`` / ``peak_bytes`` count the buffers' bytes."""
+    Operations are posted (async) in bucket order and complete in that order; a new one is
+    posted only when the bytes in flight plus its own stay within ``budget`` (one is always
+    allowed), so the wire stays busy with many small direct tensors as with one large
+    bucket, and what is in flight is bounded in bytes, not in count. Buckets that need a
+    buffer (packed ones; on a receiver, direct ones without a destination) take turns in
+    the two buffers: a buffer is handed out again only once the operation last posted on it
+    has completed (and, on a receiver, its bucket has been consumed). A buffer is replaced
+    when a bucket needs more room than it has or, being larger than ``bucket_bytes``, less
+    than half of it, so that a large tensor's buffer does not stay beside the next normal
+    bucket's. ``held_bytes`` / ``peak_bytes`` count the buffers' bytes."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, budget: int, bucket_bytes: int = 0):
+        self.device, self.budget, self.bucket_bytes = device, budget, bucket_bytes
         self.buffers: list[torch.Tensor | None] = [None, None]
-        self.works: list[dist.Work | None] = [None, None]
+        self.last_op = [-1, -1]  # per buffer, the sequence number of its last operation
+        self.flight: deque[tuple[int, dist.Work | None, torch.Tensor]] = deque()
+        self.flight_bytes, self.posted_ops, self.completed = 0, 0, -1
+        self.turn = 0
         self.peak_bytes = 0
 
     @property
     def held_bytes(self) -> int:
         return sum(b.numel() for b in self.buffers if b is not None)
 
-    def take(self, index: int, nbytes: int) -> torch.Tensor:
-        """The buffer for bucket ``index``, ``nbytes`` long, once bucket ``index - 2`` is done."""
-        i = index % 2
-        self.wait(index)
+    def buffer(self, nbytes: int, free: Callable[[int], bool] = lambda _: True) -> torch.Tensor:
+        """A buffer ``nbytes`` long: the next in turn that ``free`` allows, once the
+        operation last posted on it has completed."""
+        i = self.turn if free(self.turn) else 1 - self.turn
+        self.wait_for(self.last_op[i])
         buf = self.buffers[i]
-        if buf is None or not nbytes <= buf.numel() < 2 * nbytes:
+        if buf is None or not nbytes <= buf.numel() < max(2 * nbytes, self.bucket_bytes + 1):
             self.buffers[i] = None  # free the old one before allocating its replacement
             buf = self.buffers[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.turn = 1 - i
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         return buf[:nbytes]
 
-    def posted(self, index: int, work: dist.Work | None) -> None:
-        self.works[index % 2] = work
+    def buffer_of(self, tensor: torch.Tensor) -> int | None:
+        """Which buffer ``tensor`` (a bucket handed out by ``buffer``) lies in, if any."""
+        for i, buf in enumerate(self.buffers):
+            if buf is not None and buf.numel() and tensor.data_ptr() == buf.data_ptr():
+                return i
+        return None
 
-    def wait(self, index: int) -> None:
-        """Wait for the operation last posted on bucket ``index``'s buffer."""
-        work, self.works[index % 2] = self.works[index % 2], None
+    def make_room(self, nbytes: int) -> None:
+        """Wait for the oldest operations until ``nbytes`` more fit in the budget."""
+        while self.flight and self.flight_bytes + nbytes > self.budget:
+            self._complete_oldest()
+
+    def post(self, tensor: torch.Tensor, work: dist.Work | None) -> int:
+        """Record an operation posted on ``tensor`` (kept alive until it completes); its
+        sequence number."""
+        seq, self.posted_ops = self.posted_ops, self.posted_ops + 1
+        i = self.buffer_of(tensor)
+        if i is not None:
+            self.last_op[i] = seq
+        self.flight.append((seq, work, tensor))
+        self.flight_bytes += tensor.numel()
+        return seq
+
+    def wait_for(self, seq: int) -> None:
+        while self.completed < seq:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        seq, work, tensor = self.flight.popleft()
         if work is not None:
             work.wait()
+        self.flight_bytes -= tensor.numel()
+        self.completed = seq
 
     def settle(self) -> None:
-        """Wait for both buffers' operations (the buffers stay, for the next sync)."""
-        for i in (0, 1):
-            self.wait(i)
+        """Wait for every operation in flight (the buffers stay, for the next sync)."""
+        self.wait_for(self.posted_ops - 1)
         if self.device.type == "cuda":
             # Work.wait() on NCCL only orders the current stream after the collective: the
             # host waits here so that the time taken is the time to complete.
@@ -186,15 +271,18 @@ class BucketPair:
 class WeightBroadcaster:
     """Trainer leader: sends its weights to every rollout rank of ``group`` (src = leader).
 
-    Memory beyond the model: the header, two bucket buffers (bucket k on the wire while
-    k+1 is packed) and the one tensor being packed (gathered from the shards by the caller).
-    The two buffers stay between syncs: fresh host pages cost more than the packing."""
+    Memory beyond the model: the header, two bucket buffers (packed buckets of small
+    tensors) and the tensors the caller makes for the sync (gathered from the shards, or
+    cast to the rollout dtype): the one being packed and the direct ones still on the wire,
+    at most two buckets' bytes in flight. A direct tensor that already exists (a parameter
+    of the rollout dtype on an unsharded trainer) is sent from its own memory. The two
+    buffers stay between syncs: fresh host pages cost more than the packing."""
 
     def __init__(self, group: dist.ProcessGroup, src: int, bucket_mb: float, device: torch.device):
         """``bucket_mb``: the bucket size in MiB (a fraction gives tests buckets of bytes)."""
         self.group, self.src, self.device = group, src, device
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
-        self.pair = BucketPair(device)
+        self.window = Window(device, budget=2 * self.bucket_bytes, bucket_bytes=self.bucket_bytes)
         self.peak_bytes = 0  # most bucket-buffer bytes held at once, over every sync
 
     def broadcast(
@@ -215,9 +303,8 @@ class WeightBroadcaster:
             named = list(named)
             specs = specs_of(named)
         slots = plan_buckets(specs, self.bucket_bytes)
-        header = torch.frombuffer(bytearray(encode_header(version, slots)), dtype=torch.uint8).to(
-            self.device
-        )
+        raw = encode_header(version, slots, self.bucket_bytes)
+        header = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device)
         length = torch.tensor([header.numel()], dtype=torch.int64, device=self.device)
         dist.broadcast(length, src=self.src, group=self.group)
         dist.broadcast(header, src=self.src, group=self.group)
@@ -228,43 +315,57 @@ class WeightBroadcaster:
                     on_tensor(name, tensor)
                 yield name, tensor
 
-        pair = self.pair
+        window = self.window
+        take = lambda _, nbytes: window.buffer(nbytes)  # noqa: E731
         try:
-            for index, bucket in stream_buckets(watched(), slots, self.device, take=pair.take):
+            for _, bucket in stream_buckets(watched(), slots, self.device, take=take):
+                window.make_room(bucket.numel())
                 work = dist.broadcast(bucket, src=self.src, group=self.group, async_op=True)
-                pair.posted(index, work)
+                window.post(bucket, work)
         finally:
-            pair.settle()
-            self.peak_bytes = pair.peak_bytes
+            window.settle()
+            self.peak_bytes = window.peak_bytes
         return time.monotonic() - start
+
+
+Destination = Callable[[str], torch.Tensor | None]
 
 
 @dataclass
 class IncomingWeights:
     """One sync announced by its header: the version and layout, and the buckets still to
-    come (``buckets()``, to be iterated once, to the end: the sender is broadcasting them)."""
+    come (``buckets()``, to be called once and iterated to the end: the sender is
+    broadcasting them)."""
 
     version: int
     slots: list[TensorSlot]
-    _buckets: Iterator[dict[str, torch.Tensor]]
+    _stream: Callable[[Destination | None], Iterator[dict[str, torch.Tensor]]]
 
     def specs(self) -> list[WeightSpec]:
         """(name, shape, dtype) of every tensor, in the order they come: known before any
         bucket arrives, so that an engine can refuse a mismatched sync before loading."""
         return [(s.name, s.shape, _DTYPES[s.dtype]) for s in self.slots]
 
-    def buckets(self) -> Iterator[dict[str, torch.Tensor]]:
+    def buckets(self, into: Destination | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """Per bucket, its tensors by name: views valid only until the next bucket is asked
-        for (their buffer is then reused), so a consumer copies them where they go."""
-        return self._buckets
+        for (their buffer is then reused), so a consumer copies them where they go.
+
+        ``into(name)`` may name where a direct tensor goes (a contiguous tensor of its
+        dtype and shape on the group's device, e.g. the engine's parameter): it is then
+        received there in place and handed out as that same memory, which the consumer
+        need not copy. A destination is written while its bucket arrives, i.e. possibly
+        before the buckets ahead of it have been consumed."""
+        return self._stream(into)
 
 
 class WeightReceiver:
     """Rollout rank: receives one sync's header, then its buckets one by one.
 
-    Memory: the header, two bucket buffers on the group's device (bucket k+1 arriving while
-    the consumer loads k) and, when the group's device is not the target (host memory on a
-    shared GPU), one bucket copied to the target. The two buffers stay between syncs."""
+    Memory: the header, two bucket buffers on the group's device (for packed buckets, and
+    direct ones that have no destination; a direct tensor with one is received in place)
+    and, when the group's device is not the target (host memory on a shared GPU), one
+    bucket copied to the target. Receives are posted ahead, up to two buckets' bytes in
+    flight. The two buffers stay between syncs."""
 
     def __init__(
         self,
@@ -276,13 +377,13 @@ class WeightReceiver:
         """Buckets arrive on ``device`` (the group's); tensors are handed out on ``target``."""
         self.group, self.src, self.device = group, src, device
         self.target = target or device
-        self.pair = BucketPair(device)
+        self.window = Window(device, budget=0)
         self.peak_bytes = 0  # most bucket-buffer bytes held at once, over every sync
 
     @property
     def held_bytes(self) -> int:
         """Bytes of bucket buffers alive now (on the group's device)."""
-        return self.pair.held_bytes
+        return self.window.held_bytes
 
     def receive(self) -> IncomingWeights:
         """The next sync's header; its buckets follow through ``IncomingWeights.buckets``."""
@@ -290,8 +391,10 @@ class WeightReceiver:
         dist.broadcast(length, src=self.src, group=self.group)
         header = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
         dist.broadcast(header, src=self.src, group=self.group)
-        version, slots = decode_header(header.cpu().numpy().tobytes())
-        return IncomingWeights(version, slots, self._buckets(slots))
+        version, slots, bucket_bytes = _decode(header.cpu().numpy().tobytes())
+        return IncomingWeights(
+            version, slots, lambda into: self._buckets(slots, bucket_bytes, into)
+        )
 
     def receive_all(self) -> tuple[int, dict[str, torch.Tensor]]:
         """A whole sync as one dict of copies: a whole extra model, for tests and checks."""
@@ -299,29 +402,69 @@ class WeightReceiver:
         tensors = {n: t.clone() for bucket in incoming.buckets() for n, t in bucket.items()}
         return incoming.version, tensors
 
-    def _buckets(self, slots: list[TensorSlot]) -> Iterator[dict[str, torch.Tensor]]:
+    def _buckets(
+        self, slots: list[TensorSlot], bucket_bytes: int, into: Destination | None
+    ) -> Iterator[dict[str, torch.Tensor]]:
         sizes = bucket_sizes(slots)
         members: list[list[TensorSlot]] = [[] for _ in sizes]
         for s in slots:
             members[s.bucket].append(s)
-        pair = self.pair
+        window = self.window
+        largest = max(sizes, default=0)
+        window.bucket_bytes = bucket_bytes or largest
+        window.budget = 2 * (bucket_bytes or largest)
+        owner: list[int | None] = [None, None]  # per buffer, the bucket received into it
+        arrived: dict[int, tuple[int, torch.Tensor, bool]] = {}  # bucket -> (op, data, in place)
 
-        def post(index: int) -> torch.Tensor:
-            buf = pair.take(index, sizes[index])
-            pair.posted(index, dist.broadcast(buf, self.src, group=self.group, async_op=True))
-            return buf
+        def destination(s: TensorSlot) -> torch.Tensor | None:
+            dest = into(s.name) if into is not None and s.direct else None
+            if dest is None or not (
+                dest.device == self.device
+                and dest.dtype == _DTYPES[s.dtype]
+                and tuple(dest.shape) == s.shape
+                and dest.is_contiguous()
+            ):
+                return None
+            return dest
+
+        def post(index: int, consuming: int) -> bool:
+            """Post bucket ``index``'s receive if the window and a buffer allow; whether it
+            was posted. Buckets before ``consuming`` have been consumed."""
+            dest = destination(members[index][0])
+            free = [owner[i] is None or owner[i] < consuming for i in (0, 1)]
+            if dest is None and not any(free):
+                return False
+            if window.flight and window.flight_bytes + sizes[index] > window.budget:
+                return False
+            if dest is not None:
+                buf = _bytes_of(dest)
+            else:
+                buf = window.buffer(sizes[index], free=lambda i: free[i])
+                owner[1 - window.turn] = index  # the buffer it just handed out
+            work = dist.broadcast(buf, self.src, group=self.group, async_op=True)
+            seq = window.post(buf, work)
+            arrived[index] = (seq, buf if dest is None else dest, dest is not None)
+            return True
 
         try:
-            arriving = post(0) if sizes else None
+            posted = 0
             for index in range(len(sizes)):
-                bucket = arriving
-                pair.wait(index)
-                # post the next receive before handing this bucket out: it arrives meanwhile
-                arriving = post(index + 1) if index + 1 < len(sizes) else None
+                # Post every receive the window allows: they arrive while this bucket is
+                # consumed. This one's own is always possible when not yet posted: every
+                # bucket before it has completed and been consumed.
+                while posted < len(sizes) and post(posted, consuming=index):
+                    posted += 1
+                if posted <= index:
+                    raise RuntimeError(f"weight sync: bucket {index} could not be received")
+                seq, bucket, in_place = arrived.pop(index)
+                window.wait_for(seq)
+                if in_place:
+                    yield {members[index][0].name: bucket}
+                    continue
                 if self.target != self.device:
                     bucket = bucket.to(self.target)
                 yield {s.name: _view(bucket, s) for s in members[index]}
                 del bucket  # the device copy goes before the next one is made
         finally:
-            pair.settle()
-            self.peak_bytes = pair.peak_bytes
+            window.settle()
+            self.peak_bytes = window.peak_bytes
