@@ -4,13 +4,14 @@ For each case (model size x number of receivers) a fresh gloo world on 127.0.0.1
 rank 0 holds the "trainer" weights, every other rank preallocated "model" tensors of the
 same shapes. Alternating, repeated:
 
-- ``project``: ``WeightBroadcaster.broadcast`` (header, then double-buffered buckets packed
-  from the weights) -> ``WeightReceiver.receive`` with a consumer that copies each bucket's
-  tensors into the model tensors, as an engine does;
+- ``project``: ``WeightBroadcaster.broadcast`` (header, then the buckets: large tensors
+  alone from their own memory, small ones packed) -> ``WeightReceiver.receive`` with a
+  consumer that names the model tensors as destinations (large ones arrive in place) and
+  copies the rest, as the HF engine does;
 - ``raw``: one ``dist.broadcast`` of a single preallocated flat tensor of the same bytes.
 
 Time: from a barrier to the slowest rank's end (all-reduced max). Memory, per rank: the
-most bucket-buffer bytes alive at once (counted by the project's ``BucketPair``) and the
+most bucket-buffer bytes alive at once (counted by the project's ``Window``) and the
 growth of the process's resident set over its level before the sync (sampled every ms from
 /proc/self/statm; the model tensors and the raw buffer are allocated before and not
 counted), both as multiples of the bucket size. The broadcaster and receiver live for the

@@ -148,7 +148,8 @@ class HFEngine:
         buckets: Iterable[dict[str, torch.Tensor]],
         version: int = -1,
     ) -> None:
-        """Load a sync bucket by bucket, each tensor copied into its parameter as it comes.
+        """Load a sync bucket by bucket, each tensor copied into its parameter as it comes
+        (or already there: a receiver writes large ones straight into ``weight_destination``).
 
         ``specs`` (the header) are checked against the model before any bucket is taken,
         so a mismatched sync is refused whole; the buckets' tensors are not kept (the

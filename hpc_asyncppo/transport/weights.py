@@ -7,14 +7,18 @@ CPU and NCCL when CUDA is present (same code: only the device of the buffers cha
 the group cannot use NCCL (ranks sharing a GPU), buckets travel through host memory over
 gloo and the receiver copies them to its device.
 
-Both sides stream and are double-buffered. The sender takes the tensors one at a time (a
-sharded trainer gathers each from its shards just then), copies each into the current
-bucket and posts the bucket's broadcast as soon as it is full; while bucket k is on the
-wire it gathers and packs k+1 into the other buffer. The receiver posts the receive of
-bucket k+1 before handing bucket k to its consumer (the engine), which loads it in place.
-Each side holds at most two bucket buffers (plus, on the sender, the tensor being packed;
-on a receiver whose group is on the host, one bucket copied to its device), and the
-header. Every tensor starts at a multiple of ``ALIGN`` bytes, so that the receiver's views
+Both sides stream. The sender takes the tensors one at a time (a sharded trainer gathers
+each from its shards just then). A tensor of at least ``DIRECT_BYTES`` is a bucket of its
+own, broadcast from its own memory; the receiver receives it straight into the place its
+consumer names (the HF engine: the parameter), so the large tensors, nearly all the
+bytes, are never copied. Smaller ones are packed into one open bucket, shared across the
+large ones between them, that goes out when full. Operations are posted ahead, up to two
+buckets' bytes in flight (gloo pays per collective; a window of bytes keeps the wire busy
+with many mid-sized tensors). Each side holds at most two bucket buffers (packed buckets;
+on a receiver also direct tensors that have no destination), the header and, on the
+sender, the tensors it was handed that are still on the wire (the window) plus the one
+being packed; on a receiver whose group is on the host, one bucket copied to its device.
+Every packed tensor starts at a multiple of ``ALIGN`` bytes, so that the receiver's views
 of any dtype are aligned whatever the order and lengths of the tensors before it.
 """
 
