@@ -4,7 +4,9 @@ A job always resumes when its run directory holds a valid checkpoint: that is ho
 requeued Slurm job (same batch script) and ``submit --resume RUN_DIR`` both continue. The
 ranks agree on the newest checkpoint whose parts they need are all present and verified
 (``protocol.choose_checkpoint``: each rank verifies only its own parts, in parallel); each
-role then reads its own part (``CheckpointReader``, ``protocol.ShardedReader``).
+role then reads its own part (``CheckpointReader``, ``protocol.ShardedReader``). Any
+number of rollout and trainer ranks may resume a checkpoint: the data order is the
+leader's, and trainer ranks read the overlapping rows of the old shards.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from pathlib import Path
 from mpi4py import MPI
 
 from hpc_asyncppo.checkpoint import protocol
-from hpc_asyncppo.checkpoint.store import CheckpointError
 from hpc_asyncppo.runtime.topology import ROLLOUT, Topology
 
 
@@ -34,13 +35,4 @@ def find_resume_checkpoint(run_dir: Path, topo: Topology) -> Path | None:
     folder = protocol.choose_checkpoint(
         run_dir, MPI.COMM_WORLD, topo.leader, lambda manifest: parts_needed(topo, manifest)
     )
-    if folder is None:
-        return None
-    manifest = protocol.read_manifest(folder)
-    if manifest["rollout_ranks"] != topo.rollout_ranks:
-        raise CheckpointError(
-            f"checkpoint {folder} was written by {manifest['rollout_ranks']} rollout ranks, this "
-            f"job has {topo.rollout_ranks}: resume with the same number (each rank's data cursor "
-            "is in it)"
-        )
     return folder

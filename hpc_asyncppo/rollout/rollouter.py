@@ -5,7 +5,9 @@ prompt groups as the trainer leader has granted credits for (at most
 ``rollout.prompts_per_generate`` in flight); advance the engine one step (hf: a whole batch;
 vllm: one decoding step of every running request); score and send the groups that
 finished; wait when there is nothing to do. The leader's credits are the whole flow and
-staleness control: a rank never generates what it was not granted.
+staleness control: a rank never generates what it was not granted. Each credit names its
+prompt (a draw of the leader's data order, ``trainer/prompts.py``): the rank keeps no
+place in the data of its own, so a run can resume on any number of rollout ranks.
 
 A weight sync (SYNC) arrives between two engine steps. Without partial rollout the groups
 in flight finish under the old weights first and are sent; with it they are cut, keep
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +27,6 @@ import torch
 from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.checkpoint.store import CheckpointReader, rng_state, set_rng_state
 from hpc_asyncppo.config import Config
-from hpc_asyncppo.rollout.cursor import PromptCursor
 from hpc_asyncppo.rollout.engine import make_engine
 from hpc_asyncppo.rollout.generation import Generation
 from hpc_asyncppo.runlog import record_weight_digest, sent_groups_writer, weights_digest
@@ -50,15 +52,12 @@ class Rollouter:
         self.engine = make_engine(cfg, topo.device)
         # groups submitted to the engine: key -> (data epoch, position in prompts, version at start)
         self.in_flight: dict[tuple[int, int], tuple[int, int, int]] = {}
-        self.cursor = PromptCursor(
-            len(self.prompts), self.rank, topo.rollout_ranks, cfg.trainer.seed
-        )
+        self.granted: deque[int] = deque()  # draws (prompts) the leader granted, not started
         self.sender = SampleSender(topo.inter)
         self.weights = WeightReceiver(
             topo.sync_group, src=topo.leader, device=topo.sync_device, target=topo.device
         )
         self.version = -1  # no weights from the trainer yet
-        self.credits = 0
         self.idle_s = 0.0
         self.started_at = time.monotonic()
         self._encoded: dict[int, list[int]] = {}
@@ -68,7 +67,6 @@ class Rollouter:
         )
         self._waiting_since: float | None = None  # end of the last wait, if nothing ran since
         if resume is not None:  # last, so that nothing above draws from the restored RNGs
-            self.cursor.load_state_dict(resume["cursor"])
             set_rng_state(resume["rng"])
 
     def run(self) -> None:
@@ -95,8 +93,8 @@ class Rollouter:
     def handle_control(self) -> bool:
         """Apply every control message that arrived; True on STOP."""
         for kind, value in self.sender.poll_control():
-            if kind == Control.CREDIT:
-                self.credits += value
+            if kind == Control.CREDIT:  # value: the draw naming the prompt
+                self.granted.append(value)
             elif kind == Control.SYNC:
                 if self.cfg.async_training.partial_rollout:
                     self.engine.interrupt()  # in-flight groups resume under the new weights
@@ -104,7 +102,7 @@ class Rollouter:
                     self.finish_in_flight()
                 self.receive_weights(expected=value)
             elif kind == Control.CHECKPOINT:  # value: the step being checkpointed
-                self.finish_in_flight()  # the data cursor is already past their prompts
+                self.finish_in_flight()  # their prompts were handed out: they are sent first
                 self.write_checkpoint_part(value)
             elif kind == Control.STOP:
                 return True
@@ -113,11 +111,10 @@ class Rollouter:
     def start_granted_groups(self) -> None:
         """Submit new prompt groups while credits last, up to prompts_per_generate in flight."""
         room = self.cfg.rollout.prompts_per_generate - len(self.in_flight)
-        for _ in range(max(0, min(self.credits, room))):
-            epoch, index = self.cursor.next()
+        for _ in range(max(0, min(len(self.granted), room))):
+            epoch, index = divmod(self.granted.popleft(), len(self.prompts))
             self.engine.submit((epoch, index), self.prompt_ids(index), self.cfg.rollout.n)
             self.in_flight[(epoch, index)] = (epoch, index, self.version)
-            self.credits -= 1
 
     def step_and_send(self) -> None:
         with self.timeline.span("generate"):
@@ -146,19 +143,19 @@ class Rollouter:
             self.step_and_send()
 
     def write_checkpoint_part(self, step: int) -> None:
-        """This rank's part of a checkpoint (where it is in the data, its RNGs), written by
-        itself; the leader gets the part's record and how many groups were sent before it.
-        Credits not yet used are void: the leader grants them anew after the checkpoint."""
-        self.credits = 0
-        tree = {
-            "cursor": self.cursor.state_dict(),
-            "rng": rng_state(),
-        }
+        """This rank's part of a checkpoint (its RNGs), written by itself; the leader gets
+        the part's record, how many groups were sent before it, and the draws granted and
+        not started: their credits are void, and the leader hands the prompts out again."""
+        unused = np.asarray(list(self.granted), dtype=np.int64)
+        self.granted.clear()
+        tree = {"rng": rng_state()}
         folder = protocol.step_dir(self.run_dir, step)
         with self.timeline.span("checkpoint"):
             part = protocol.write_part(folder, protocol.rollout_part(self.rank), tree)
         self._waiting_since = None  # writing the part was not waiting for credits
-        report = pack_arrays({}, {"part": part.to_json(), "groups_sent": self.sender.groups_sent})
+        report = pack_arrays(
+            {"unused": unused}, {"part": part.to_json(), "groups_sent": self.sender.groups_sent}
+        )
         self.sender.send_state(report, self.cfg.timeouts.rank_wait_s)
 
     def receive_weights(self, expected: int) -> None:
@@ -241,13 +238,14 @@ def run_rollouter(
     cfg: Config, topo: Topology, run_dir: Path, checkpoint: Path | None = None
 ) -> None:
     """``checkpoint``: the checkpoint folder to resume from (None for a fresh start); this
-    rank reads its own part of it, nothing else."""
+    rank reads its own part of it, nothing else (none if the checkpoint was written by fewer
+    rollout ranks: its RNGs then start from the seed)."""
     torch.set_num_threads(cfg.rollout.torch_threads)
     torch.manual_seed(cfg.trainer.seed * 1000 + topo.world_rank)
     resume = None
-    if checkpoint is not None:
+    if checkpoint is not None and (checkpoint / protocol.rollout_part(topo.world_rank)).exists():
         part = checkpoint / protocol.rollout_part(topo.world_rank)
         with CheckpointReader(part) as reader:
-            resume = {"cursor": reader.get("cursor"), "rng": reader.get("rng")}
+            resume = {"rng": reader.get("rng")}
             log.info("resume read %d bytes, from %s only", reader.bytes_read, part.name)
     Rollouter(cfg, topo, run_dir, resume).run()

@@ -26,16 +26,24 @@ from mpi4py import MPI
 
 from hpc_asyncppo import runlog
 from hpc_asyncppo.checkpoint import protocol
-from hpc_asyncppo.checkpoint.store import CheckpointReader, rng_state, set_rng_state
+from hpc_asyncppo.checkpoint.store import (
+    CheckpointError,
+    CheckpointReader,
+    rng_state,
+    set_rng_state,
+)
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.launch.rundir import PREEMPTED
 from hpc_asyncppo.runtime.signals import stop_requested
 from hpc_asyncppo.runtime.topology import Topology
+from hpc_asyncppo.tasks import load_task
+from hpc_asyncppo.tasks.overlong import usable_prompts
 from hpc_asyncppo.timeline import Timeline
 from hpc_asyncppo.trainer import algos
 from hpc_asyncppo.trainer.batch import collate, shard_rows, to_tensors
 from hpc_asyncppo.trainer.credits import CreditController
 from hpc_asyncppo.trainer.policy import Policy, peak_memory_mb, ppo_update
+from hpc_asyncppo.trainer.prompts import PromptOrder
 from hpc_asyncppo.trainer.queue import SpillQueue
 from hpc_asyncppo.transport.arrays import pack_arrays, unpack_arrays
 from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleReceiver, decode_group
@@ -68,6 +76,9 @@ class TrainerLeader:
         )
         # Encoded groups, oldest first; past buffer.memory_limit_mb they wait on disk.
         self.queue = SpillQueue(run_dir / "overflow.h5", cfg.buffer.memory_limit_mb)
+        # The data order: every credit goes out with the prompt it is for.
+        num_prompts = len(usable_prompts(load_task(cfg.data).prompts(), run_dir))
+        self.order = PromptOrder(num_prompts, cfg.trainer.seed)
         self.version = 0
         self.step = 0
         self.synced_step = 0  # the step after which the current version's weights were sent
@@ -134,9 +145,10 @@ class TrainerLeader:
             self.queue.push(buf)
 
     def grant(self) -> None:
+        """New credits, each with the next prompt of the data order."""
         for rank, count in enumerate(self.credits.grant()):
-            if count:
-                self.receiver.send_control(rank, Control.CREDIT, count)
+            for _ in range(count):
+                self.receiver.send_control(rank, Control.CREDIT, self.order.take())
 
     def collect_batch(self) -> list[SampleGroup]:
         """The next ``required_groups`` groups within the staleness bound, oldest first."""
@@ -289,9 +301,8 @@ class TrainerLeader:
             parts = self.gather_rollout_parts()
             parts.append(write_trainer_part(folder, self.policy, 0))
             parts += self.gather_follower_parts()
-            parts.append(
-                protocol.write_part(folder, protocol.LEADER_PART, {"queue": self.queue.snapshot()})
-            )
+            leader = {"queue": self.queue.snapshot(), "order": self.order.state_dict()}
+            parts.append(protocol.write_part(folder, protocol.LEADER_PART, leader))
             protocol.commit(folder, parts, self.checkpoint_meta(reason))
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)  # never half a checkpoint on disk
@@ -317,13 +328,16 @@ class TrainerLeader:
 
     def gather_rollout_parts(self) -> list[protocol.PartInfo]:
         """Every rollout rank's part record, once every group it sent before it is in the
-        queue. Their unused credits are void afterwards (granted anew by the next collect)."""
+        queue. Their unused credits are void afterwards (granted anew by the next collect),
+        and the prompts they were for go back to the data order, to go out first."""
         reports: dict[int, dict] = {}
+        unused: list[int] = []
 
         def ready() -> bool:
             self.receive()
             for rank, buf in self.receiver.poll_states().items():
-                reports[rank] = unpack_arrays(buf)[1]
+                arrays, reports[rank] = unpack_arrays(buf)
+                unused.extend(int(d) for d in arrays["unused"])
             return len(reports) == self.topo.rollout_ranks and all(
                 self.receiver.received_from[r] == report["groups_sent"]
                 for r, report in reports.items()
@@ -331,6 +345,7 @@ class TrainerLeader:
 
         poll_until(ready, self.cfg.timeouts.rank_wait_s, "rollout ranks' checkpoint parts")
         self.credits.revoke_unused()
+        self.order.give_back(unused)
         return [protocol.PartInfo.from_json(reports[r]["part"]) for r in sorted(reports)]
 
     def gather_follower_parts(self) -> list[protocol.PartInfo]:
@@ -353,6 +368,12 @@ class TrainerLeader:
         meta = restore_trainer_part(folder, self.policy, 0, self.topo.train_ranks)
         with CheckpointReader(folder / protocol.LEADER_PART) as reader:
             self.queue.extend(reader.get("queue") or [])
+            if "order" not in reader.keys():
+                raise CheckpointError(
+                    f"checkpoint {folder} has no data order (written before the trainer leader "
+                    "owned it): start a new run"
+                )
+            self.order.load_state_dict(reader.get("order"))
         self.step, self.version = meta["step"], meta["param_version"]
         self.unsynced_steps = meta.get("synced_step", -1) != self.step
         self.samples_trained, self.samples_dropped = (

@@ -2,12 +2,13 @@
 
 All traffic runs over the MPI intercommunicator between the rollout side and the trainer
 side. Rollout ranks send each finished prompt group (n responses) to the trainer leader
-(remote rank 0). The leader sends control messages back: CREDIT (how many more groups a
-rank may start: the flow control and the staleness budget in one), SYNC (weights of a new
-version follow on the broadcast group), CHECKPOINT, STOP. On CHECKPOINT a rollout rank
-answers with its state (data cursor, RNG, groups sent so far) and forgets its unused
-credits; after STOP it answers DONE with the number of groups it sent. Either count lets
-the leader drain every group sent before it, so nothing is in flight when it acts.
+(remote rank 0). The leader sends control messages back: CREDIT (one more group a rank
+may start, and its prompt: the flow control, the staleness budget and the data order in
+one), SYNC (weights of a new version follow on the broadcast group), CHECKPOINT, STOP. On
+CHECKPOINT a rollout rank answers with its part's record, the groups sent so far and the
+prompts of its unused credits, which it forgets; after STOP it answers DONE with the
+number of groups it sent. Either count lets the leader drain every group sent before it,
+so nothing is in flight when it acts.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ LEADER = 0  # the trainer leader's rank inside the trainer side of the intercomm
 
 
 class Control(IntEnum):
-    CREDIT = 1  # value: number of groups granted
+    CREDIT = 1  # one more group granted; value: the draw naming its prompt (trainer/prompts.py)
     SYNC = 2  # value: the param version whose weights are about to be broadcast
     STOP = 3  # no more groups; answer DONE
     DONE = 4  # (rollout -> leader) value: groups sent in total

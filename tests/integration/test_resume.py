@@ -18,9 +18,9 @@ import torch
 from hpc_asyncppo.checkpoint.protocol import list_checkpoints, read_full, read_manifest, step_dir
 from hpc_asyncppo.config import DataConfig, TinyModelConfig
 from hpc_asyncppo.models.tiny import build_tiny_model
-from hpc_asyncppo.rollout.cursor import PromptCursor
 from hpc_asyncppo.runlog import read_jsonl
 from hpc_asyncppo.tasks import load_task
+from hpc_asyncppo.trainer.prompts import PromptOrder
 
 pytestmark = pytest.mark.mpi
 REPO = Path(__file__).resolve().parents[2]
@@ -37,11 +37,19 @@ def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return read_full(step_dir(run_dir, step), "model")
 
 
-def cursor_prefix(
-    rank: int, ranks: int, seed: int, num_prompts: int, count: int
-) -> set[tuple[int, int]]:
-    cursor = PromptCursor(num_prompts, rank, ranks, seed)
-    return {cursor.next() for _ in range(count)}
+def order_prefix(seed: int, num_prompts: int, count: int) -> set[tuple[int, int]]:
+    """(epoch, prompt) of the first ``count`` prompts of the run's data order."""
+    order = PromptOrder(num_prompts, seed)
+    return {order.split(order.take()) for _ in range(count)}
+
+
+def prompts_generated(rows: list[dict]) -> collections.Counter:
+    """Responses per (epoch, prompt) among trained and dropped rows."""
+    responses = collections.Counter()
+    for row in rows:
+        _, e, p, _ = row["uid"].split("-")
+        responses[(int(e[1:]), int(p[1:]))] += 1
+    return responses
 
 
 def interrupt_after(run_dir: Path, args: list[str], steps_seen: int) -> int:
@@ -87,16 +95,43 @@ def test_fully_async_run_interrupted_twice_trains_every_sample_exactly_once(tmp_
     assert len(trained_uids) == len(set(trained_uids)) == steps * 32, "a sample trained twice"
     assert not set(trained_uids) & {r["uid"] for r in dropped}
     assert all(r["reason"] in ("stale", "run_ended") for r in dropped)
-    # Nothing lost: each rollout rank's groups are exactly a prefix of its data order, with
-    # all n responses of every group accounted for.
-    responses = collections.Counter()
-    for row in trained + dropped:
-        s, e, p, _ = row["uid"].split("-")
-        responses[(row["rollout_rank"], int(e[1:]), int(p[1:]))] += 1
+    # Nothing lost: the groups of all ranks are exactly a prefix of the run's data order,
+    # with all n responses of every group accounted for.
+    responses = prompts_generated(trained + dropped)
     assert set(responses.values()) == {8}
-    for rank in range(ranks):
-        mine = {(e, p) for (r, e, p) in responses if r == rank}
-        assert mine == cursor_prefix(rank, ranks, seed=1, num_prompts=64, count=len(mine))
+    assert set(responses) == order_prefix(seed=1, num_prompts=64, count=len(responses))
+
+
+def test_a_run_resumes_on_other_rank_counts_with_the_same_data_order(tmp_path):
+    """2 rollout x 2 trainer ranks, stopped; resumed on 1 x 1, stopped; finished on 3 x 1.
+    The data order is the leader's: every prompt of the epoch's order is generated once, in
+    order, whatever the ranks; every sample is trained at most once, none lost."""
+    run_dir = tmp_path / "run"
+    steps = 24
+    args = [*SMALL, f"trainer.total_steps={steps}", "checkpoint.save_every=0",
+            "data.reward_fn=tests.integration.faults:slow"]  # fmt: skip
+    first = ["--run-dir", str(run_dir), "--rollout-ranks", "2", "--train-ranks", "2", *args]
+    assert interrupt_after(run_dir, first, 5) == 143
+    resumed = ["--resume", str(run_dir), "--rollout-ranks", "1", "--train-ranks", "1"]
+    assert interrupt_after(run_dir, resumed, 12) == 143
+    assert json.loads((run_dir / "launch.json").read_text())["rollout_ranks"] == 1
+    done = submit("--resume", str(run_dir), "--rollout-ranks", "3")
+    assert done.returncode == 0, done.stderr
+
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    trained = read_jsonl(run_dir / "trained_samples.jsonl")
+    dropped = read_jsonl(run_dir / "dropped_samples.jsonl")
+    uids = [r["uid"] for r in trained]
+    assert len(uids) == len(set(uids)) == steps * 32, "a sample trained twice or lost"
+    assert {r["rollout_rank"] for r in trained} == {0, 1, 2}  # all three layouts trained
+    assert all(r["reason"] in ("stale", "run_ended") for r in dropped)
+    responses = prompts_generated(trained + dropped)
+    assert set(responses.values()) == {8}
+    # 24 steps x 4 groups from 64 prompts: past the first epoch, each prompt once in each
+    assert set(responses) == order_prefix(seed=1, num_prompts=64, count=len(responses))
+    epoch0 = [p for (e, p) in responses if e == 0]
+    assert sorted(epoch0) == list(range(64))
 
 
 def test_a_corrupt_or_missing_part_is_named_and_its_checkpoint_skipped(tmp_path):
