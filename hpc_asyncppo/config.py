@@ -435,18 +435,18 @@ def config_warnings(cfg: Config) -> list[str]:
 
 
 def check_resume_compatible(previous: Config, cfg: Config) -> None:
-    """A --resume must keep what the checkpoint's queued groups and data cursors depend on."""
+    """A --resume must keep what the checkpoint's queued groups and data order depend on."""
     for key in RESUME_FIXED:
         before, after = _get(previous, key), _get(cfg, key)
         if before != after:
             raise ConfigError(
                 f"--resume cannot change {key} (the run has {before!r}, the override {after!r}): "
-                "its checkpoint's queued samples and data cursors depend on it; start a new run"
+                "its checkpoint's queued samples and data order depend on it; start a new run"
             )
 
 
 # What a resumed run must keep: the shapes of queued sample groups, and the prompt list
-# every rollout rank's data cursor walks (see check_resume_compatible).
+# the data order walks (see check_resume_compatible).
 RESUME_FIXED = (
     "rollout.n",
     "rollout.response_length",

@@ -6,8 +6,9 @@ A checkpoint of step N is the folder ``RUN_DIR/checkpoints/step_<N>/``::
     trainer<k>.h5   trainer rank k's shards: its rows of every parameter and optimizer
                     state tensor (``layout``, JSON: each tensor's first row and whole
                     shape), the optimizer's hyperparameters, the LR schedule, its RNGs
-    rollout<r>.h5   rollout rank r's data cursor and RNGs
+    rollout<r>.h5   rollout rank r's RNGs
     leader.h5       the trainer's sample queue (every group received and not yet trained)
+                    and the data order (``trainer/prompts.py``)
     manifest.json   step, counters, rank counts, and every part with its size and checksum
 
 Each part is an HDF5 file of ``checkpoint.store`` (written under a temporary name, fsynced,

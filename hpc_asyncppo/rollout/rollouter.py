@@ -47,7 +47,7 @@ class Rollouter:
         self.rank = topo.world_rank
         self.task: Task = load_task(cfg.data)
         # Without the prompts the run directory lists as overlong; self.prompts[i].index is
-        # a prompt's index in the task (its uid), i its position for the cursor.
+        # a prompt's index in the task (its uid), i its position in the data order.
         self.prompts: list[Prompt] = usable_prompts(self.task.prompts(), run_dir)
         self.engine = make_engine(cfg, topo.device)
         # groups submitted to the engine: key -> (data epoch, position in prompts, version at start)
