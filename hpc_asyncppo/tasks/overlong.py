@@ -1,8 +1,8 @@
 """Prompts longer than ``data.max_prompt_length``: found once, when the run directory is made.
 
 With ``data.filter_overlong_prompts`` (verl's name; the default) they are dropped: their
-indices go to RUN_DIR/overlong_prompts.json and every rollout rank leaves them out of the
-prompt list its data order walks, so a long row can never stop a run halfway. Without it the
+indices go to RUN_DIR/overlong_prompts.json, and the trainer leader and every rollout rank
+leave them out of the prompt list the data order walks, so a long row can never stop a run halfway. Without it the
 run is refused before it starts, naming the first one. Kept prompts keep their ``index``
 (part of every sample's uid).
 """
