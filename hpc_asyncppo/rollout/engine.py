@@ -8,14 +8,14 @@ pad token, lengths that count the EOS, log-probs 0 and versions -1 past the leng
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from hpc_asyncppo.config import Config
-from hpc_asyncppo.rollout.generation import Generation
+from hpc_asyncppo.rollout.generation import Generation, PartialGroup
 from hpc_asyncppo.rollout.hf_engine import HFEngine
 
 
@@ -23,6 +23,8 @@ class RolloutEngine(Protocol):
     eos_id: int
     pad_id: int
     tokenizer: Any  # the model's HF tokenizer (chat template, decoding)
+    # hf: checked between two tokens, a true value ends the step with the tokens so far
+    should_stop: Callable[[], bool] | None
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -35,6 +37,14 @@ class RolloutEngine(Protocol):
 
     def submit(self, key: Hashable, prompt: list[int], n: int) -> None:
         """Queue n responses to ``prompt``; ``step`` returns them under ``key``."""
+        ...
+
+    def resume(self, key: Hashable, partial: PartialGroup) -> None:
+        """Continue a group from its tokens so far (a checkpoint's partial response)."""
+        ...
+
+    def unfinished(self) -> list[tuple[Hashable, PartialGroup]]:
+        """The groups in flight with their tokens so far (after ``interrupt``)."""
         ...
 
     def step(self) -> list[tuple[Hashable, Generation]]:

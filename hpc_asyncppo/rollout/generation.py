@@ -1,6 +1,7 @@
 """What both rollout engines produce and the trainer consumes: ``Generation`` (a prompt's n
-responses, their log-probs and per-token weight versions), the dtype names of
-``model.dtype``, and where a response ends."""
+responses, their log-probs and per-token weight versions), ``PartialGroup`` (a group cut
+before its end: what a checkpoint keeps of it), the dtype names of ``model.dtype``, and
+where a response ends."""
 
 from __future__ import annotations
 
@@ -21,6 +22,22 @@ class Generation:
     response_lengths: np.ndarray
     log_probs: np.ndarray
     versions: np.ndarray
+
+
+@dataclass
+class PartialGroup:
+    """A group whose n responses have not all finished: ``sofar`` holds each response's
+    tokens, log-probs and versions so far (``response_lengths``: how many; the EOS
+    included once ``finished``). An engine continues it from there (``resume``)."""
+
+    prompt: list[int]
+    sofar: Generation
+    finished: np.ndarray  # (n,) bool
+
+    @property
+    def tokens(self) -> int:
+        """Response tokens sampled so far, over the n responses."""
+        return int(self.sofar.response_lengths.sum())
 
 
 def response_lengths(responses: torch.Tensor, eos_id: int) -> torch.Tensor:

@@ -7,14 +7,15 @@ same quantity the trainer recomputes, so the two agree up to float error for equ
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from hpc_asyncppo.config import ModelConfig, RolloutConfig
-from hpc_asyncppo.rollout.generation import DTYPES, Generation, response_lengths
+from hpc_asyncppo.rollout.generation import DTYPES, Generation, PartialGroup
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,6 +27,71 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
         ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
         mask[i, width - len(p) :] = 1
     return ids, mask
+
+
+class _Flag(StoppingCriteria):
+    """Ends a ``generate`` call at the next token once ``flag()`` is true."""
+
+    def __init__(self, flag: Callable[[], bool]):
+        self.flag = flag
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), bool(self.flag()), device=input_ids.device)
+
+
+@dataclass
+class _Response:
+    """One of a group's n responses: what it has sampled so far, and under which weights."""
+
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class _Group:
+    prompt: list[int]
+    responses: list[_Response]
+
+    @property
+    def complete(self) -> bool:
+        return all(r.finished for r in self.responses)
+
+    @classmethod
+    def of(cls, partial: PartialGroup) -> _Group:
+        g = partial.sofar
+        responses = []
+        for j, length in enumerate(g.response_lengths.tolist()):
+            responses.append(
+                _Response(
+                    g.response_ids[j, :length].tolist(),
+                    g.log_probs[j, :length].tolist(),
+                    g.versions[j, :length].tolist(),
+                    bool(partial.finished[j]),
+                )
+            )
+        return cls(list(partial.prompt), responses)
+
+    def generation(self, engine: HFEngine) -> Generation:
+        """Right-padded arrays, lengths including the EOS, log-probs 0 and versions -1 past it."""
+        n, width = len(self.responses), engine.cfg.response_length
+        ids = np.full((n, width), engine.pad_id, dtype=np.int32)
+        log_probs = np.zeros((n, width), dtype=np.float32)
+        versions = np.full((n, width), -1, dtype=np.int32)
+        lengths = np.zeros(n, dtype=np.int32)
+        for j, r in enumerate(self.responses):
+            length = lengths[j] = len(r.tokens)
+            ids[j, :length], log_probs[j, :length], versions[j, :length] = (
+                r.tokens,
+                r.log_probs,
+                r.versions,
+            )
+        return Generation(ids, lengths, log_probs, versions)
+
+    def partial(self, engine: HFEngine) -> PartialGroup:
+        finished = np.array([r.finished for r in self.responses], dtype=bool)
+        return PartialGroup(list(self.prompt), self.generation(engine), finished)
 
 
 class HFEngine:
@@ -42,7 +108,9 @@ class HFEngine:
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         )
         self.version = -1
-        self.queued: dict[Hashable, tuple[list[int], int]] = {}
+        self.groups: dict[Hashable, _Group] = {}
+        # While true, a step ends at once with the tokens so far (the rank's stop flag).
+        self.should_stop: Callable[[], bool] | None = None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -51,10 +119,15 @@ class HFEngine:
         return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int) -> list[Generation]:
-        """Sample n responses for every prompt (token ids)."""
-        ids, mask = left_pad([p for p in prompts for _ in range(n)], self.pad_id)
+    def sample(
+        self, contexts: list[list[int]], max_new: int
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Sample up to ``max_new`` tokens after each context (one row each), stopping early,
+        with the tokens so far, when ``should_stop()`` turns true; the new tokens of each
+        row and their log-probs, EOS and whatever follows it included."""
+        ids, mask = left_pad(contexts, self.pad_id)
         cfg = self.cfg
+        stop = StoppingCriteriaList([_Flag(self.should_stop)]) if self.should_stop else None
         out = self.model.generate(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
@@ -62,63 +135,77 @@ class HFEngine:
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             top_k=cfg.top_k or None,
-            max_new_tokens=cfg.response_length,
+            max_new_tokens=max_new,
             min_new_tokens=0,
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_id,
             output_logits=True,
             return_dict_in_generate=True,
+            stopping_criteria=stop,
         )
         responses = out.sequences[:, ids.shape[1] :]
         logits = torch.stack(out.logits, dim=1).float() / cfg.temperature  # (B, L', V)
         log_probs = (
             torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
         )
-        lengths = response_lengths(responses, self.eos_id)
-        width = cfg.response_length
-        valid = (
-            torch.arange(responses.shape[1], device=responses.device)[None, :] < lengths[:, None]
-        )
-        padded_ids = torch.full((responses.shape[0], width), self.pad_id, dtype=torch.int32)
-        padded_lp = torch.zeros((responses.shape[0], width), dtype=torch.float32)
-        padded_ids[:, : responses.shape[1]] = torch.where(valid, responses, self.pad_id).int().cpu()
-        padded_lp[:, : responses.shape[1]] = torch.where(valid, log_probs, 0.0).cpu()
-        versions = torch.where(valid, self.version, -1).int().cpu()
-        padded_versions = torch.full((responses.shape[0], width), -1, dtype=torch.int32)
-        padded_versions[:, : responses.shape[1]] = versions
-        return [
-            Generation(
-                response_ids=padded_ids[i * n : (i + 1) * n].numpy(),
-                response_lengths=lengths[i * n : (i + 1) * n].int().cpu().numpy(),
-                log_probs=padded_lp[i * n : (i + 1) * n].numpy(),
-                versions=padded_versions[i * n : (i + 1) * n].numpy(),
-            )
-            for i in range(len(prompts))
-        ]
+        return responses.cpu().tolist(), log_probs.cpu().tolist()
 
-    # The step interface of the rollout loop: one step generates every queued group to the end.
+    def generate(self, prompts: list[list[int]], n: int) -> list[Generation]:
+        """Sample n responses for every prompt (token ids), to completion."""
+        keys = [("generate", i) for i in range(len(prompts))]
+        for key, prompt in zip(keys, prompts, strict=True):
+            self.submit(key, prompt, n)
+        results: dict[Hashable, Generation] = {}
+        while len(results) < len(keys):
+            results.update(self.step())
+        return [results[key] for key in keys]
+
+    # The step interface of the rollout loop: one step generates every response in flight to
+    # its end (or to the stop flag), all in one batch.
     @property
     def in_flight(self) -> int:
-        return len(self.queued)
+        return len(self.groups)
 
     def submit(self, key: Hashable, prompt: list[int], n: int) -> None:
-        if key in self.queued:
+        if key in self.groups:
             raise ValueError(f"a prompt group with key {key!r} is already in flight")
-        self.queued[key] = (list(prompt), n)
+        self.groups[key] = _Group(list(prompt), [_Response() for _ in range(n)])
+
+    def resume(self, key: Hashable, partial: PartialGroup) -> None:
+        """Continue a group cut earlier (e.g. by a checkpoint before a stop) from its tokens."""
+        if key in self.groups:
+            raise ValueError(f"a prompt group with key {key!r} is already in flight")
+        self.groups[key] = _Group.of(partial)
 
     def step(self) -> list[tuple[Hashable, Generation]]:
-        by_n: dict[int, list[Hashable]] = {}
-        for key, (_, n) in self.queued.items():
-            by_n.setdefault(n, []).append(key)
-        done = []
-        for n, keys in by_n.items():
-            gens = self.generate([self.queued[key][0] for key in keys], n)
-            done += list(zip(keys, gens, strict=True))
-        self.queued.clear()
-        return done
+        rows = [
+            (key, r)
+            for key, group in self.groups.items()
+            for r in group.responses
+            if not r.finished
+        ]
+        if rows:
+            width = self.cfg.response_length
+            contexts = [self.groups[key].prompt + r.tokens for key, r in rows]
+            budgets = [width - len(r.tokens) for _, r in rows]
+            new_ids, new_lps = self.sample(contexts, max(budgets))
+            for (_, r), ids, lps, budget in zip(rows, new_ids, new_lps, budgets, strict=True):
+                take = ids[:budget]
+                if self.eos_id in take:
+                    take = take[: take.index(self.eos_id) + 1]
+                r.tokens += take
+                r.log_probs += lps[: len(take)]
+                r.versions += [self.version] * len(take)
+                r.finished = bool(take and take[-1] == self.eos_id) or len(r.tokens) >= width
+        done = [key for key, group in self.groups.items() if group.complete]
+        return [(key, self.groups.pop(key).generation(self)) for key in done]
 
     def interrupt(self) -> None:
-        """Nothing runs between steps: a transformers generation cannot be cut."""
+        """Nothing runs between steps; a step cut by ``should_stop`` keeps its tokens."""
+
+    def unfinished(self) -> list[tuple[Hashable, PartialGroup]]:
+        """Every group in flight with its tokens so far (for a checkpoint)."""
+        return [(key, group.partial(self)) for key, group in self.groups.items()]
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.model.named_parameters())

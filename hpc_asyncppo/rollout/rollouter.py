@@ -12,6 +12,15 @@ place in the data of its own, so a run can resume on any number of rollout ranks
 A weight sync (SYNC) arrives between two engine steps. Without partial rollout the groups
 in flight finish under the old weights first and are sent; with it they are cut, keep
 their tokens, and continue under the new weights (``param_version_end`` > start).
+
+A checkpoint (CHECKPOINT) cuts the groups in flight at once and writes them, with their
+tokens so far, log-probs and per-token versions, into this rank's part; they go on
+afterwards. A stop signal makes the rank stop generating at once (the hf engine between
+two tokens) and wait for the leader's checkpoint, so that the time from the signal to a
+durable checkpoint does not grow with the response length. After a resume the cut groups
+continue from their tokens; without partial rollout only if the weights are still those
+that sampled them, otherwise they start again from the prompt (same uid; the tokens
+thrown away are counted in ``tokens_regenerated``).
 """
 
 from __future__ import annotations
@@ -28,8 +37,9 @@ from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.checkpoint.store import CheckpointReader, rng_state, set_rng_state
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.rollout.engine import make_engine
-from hpc_asyncppo.rollout.generation import Generation
+from hpc_asyncppo.rollout.generation import Generation, PartialGroup
 from hpc_asyncppo.runlog import record_weight_digest, sent_groups_writer, weights_digest
+from hpc_asyncppo.runtime.signals import forget_stop, stop_requested
 from hpc_asyncppo.runtime.topology import Topology
 from hpc_asyncppo.tasks import Prompt, Task, load_task, tokenize_prompt
 from hpc_asyncppo.tasks.overlong import usable_prompts
@@ -66,14 +76,23 @@ class Rollouter:
             sent_groups_writer(run_dir, self.rank) if cfg.rollout.record_sent_groups else None
         )
         self._waiting_since: float | None = None  # end of the last wait, if nothing ran since
+        self._stop_seen: float | None = None  # when this rank saw a stop signal
+        self.engine.should_stop = lambda: stop_requested() is not None
+        self.tokens_regenerated = 0  # tokens of cut responses thrown away (started again)
+        # cut groups from the checkpoint, placed once the first weights say which version
+        self.resumed: list[tuple[int, int, int, PartialGroup]] = []
         if resume is not None:  # last, so that nothing above draws from the restored RNGs
-            set_rng_state(resume["rng"])
+            self.resumed = resume["partial"]
+            if resume["rng"] is not None:
+                set_rng_state(resume["rng"])
 
     def run(self) -> None:
         while True:
             stop = self.handle_control()
             if stop:
                 break
+            if self.stopping():
+                continue
             if self.version >= 0:
                 self.start_granted_groups()
             if not self.in_flight:
@@ -102,11 +121,58 @@ class Rollouter:
                     self.finish_in_flight()
                 self.receive_weights(expected=value)
             elif kind == Control.CHECKPOINT:  # value: the step being checkpointed
-                self.finish_in_flight()  # their prompts were handed out: they are sent first
+                self.engine.interrupt()  # the groups in flight go into the part, cut
                 self.write_checkpoint_part(value)
             elif kind == Control.STOP:
                 return True
         return False
+
+    def stopping(self) -> bool:
+        """After a stop signal: generate nothing more, wait for the leader's checkpoint and
+        STOP. A leader that never asks (the signal reached only this rank) is waited for
+        ``timeouts.rank_wait_s``, then the rank carries on."""
+        if not stop_requested():
+            return False
+        now = time.monotonic()
+        if self._stop_seen is None:
+            self._stop_seen = now
+            self.engine.interrupt()
+            log.warning(
+                "rank %d: %s received, waiting for the checkpoint", self.rank, stop_requested()
+            )
+        if now - self._stop_seen > self.cfg.timeouts.rank_wait_s:
+            log.warning(
+                "rank %d: no checkpoint asked for after the stop signal: carrying on", self.rank
+            )
+            forget_stop()
+            self._stop_seen = None
+            return False
+        self.wait_a_moment()
+        return True
+
+    def place_resumed_groups(self) -> None:
+        """The checkpoint's cut groups, into the engine: each continues from its tokens if
+        partial rollout allows mixing versions or the weights are the same version as those
+        that sampled them; otherwise it starts again from its prompt."""
+        for epoch, index, version_start, partial in self.resumed:
+            sofar = partial.sofar
+            sampled = sofar.versions[sofar.versions >= 0]
+            same = bool(np.all(sampled == self.version))
+            if self.cfg.async_training.partial_rollout or same:
+                self.engine.resume((epoch, index), partial)
+            else:
+                self.engine.submit((epoch, index), self.prompt_ids(index), self.cfg.rollout.n)
+                self.tokens_regenerated += partial.tokens
+                version_start = self.version
+            self.in_flight[(epoch, index)] = (epoch, index, version_start)
+        if self.resumed:
+            log.info(
+                "rank %d: %d cut groups resumed, %d tokens to generate again",
+                self.rank,
+                len(self.resumed),
+                self.tokens_regenerated,
+            )
+        self.resumed = []
 
     def start_granted_groups(self) -> None:
         """Submit new prompt groups while credits last, up to prompts_per_generate in flight."""
@@ -143,19 +209,24 @@ class Rollouter:
             self.step_and_send()
 
     def write_checkpoint_part(self, step: int) -> None:
-        """This rank's part of a checkpoint (its RNGs), written by itself; the leader gets
-        the part's record, how many groups were sent before it, and the draws granted and
-        not started: their credits are void, and the leader hands the prompts out again."""
+        """This rank's part of a checkpoint (its RNGs and the groups in flight, cut, with
+        their tokens so far), written by itself; the leader gets the part's record, how
+        many groups were sent before it, how many were cut (they stay in flight), and the
+        draws granted and not started: their credits are void, and the leader hands the
+        prompts out again."""
         unused = np.asarray(list(self.granted), dtype=np.int64)
         self.granted.clear()
-        tree = {"rng": rng_state()}
+        cut = [
+            cut_group_tree(*self.in_flight[key], partial)
+            for key, partial in self.engine.unfinished()
+        ]
+        tree = {"rng": rng_state(), "partial": cut}
         folder = protocol.step_dir(self.run_dir, step)
         with self.timeline.span("checkpoint"):
             part = protocol.write_part(folder, protocol.rollout_part(self.rank), tree)
         self._waiting_since = None  # writing the part was not waiting for credits
-        report = pack_arrays(
-            {"unused": unused}, {"part": part.to_json(), "groups_sent": self.sender.groups_sent}
-        )
+        meta = {"part": part.to_json(), "groups_sent": self.sender.groups_sent}
+        report = pack_arrays({"unused": unused}, {**meta, "partial_groups": len(cut)})
         self.sender.send_state(report, self.cfg.timeouts.rank_wait_s)
 
     def receive_weights(self, expected: int) -> None:
@@ -176,6 +247,8 @@ class Rollouter:
         if self.version < 0:  # time counts from the first sync, as on the trainer
             self.started_at, self.idle_s = time.monotonic(), 0.0
         self.version = version
+        if self.resumed:
+            self.place_resumed_groups()
         if self.cfg.trainer.record_weight_digests:
             digest = weights_digest(self.engine.named_parameters())
             record_weight_digest(self.run_dir, self.rank, version, digest)
@@ -231,21 +304,55 @@ class Rollouter:
             rewards=np.asarray(rewards, dtype=np.float32),
             rollout_idle_s=self.idle_s,
             rollout_elapsed_s=time.monotonic() - self.started_at,
+            tokens_regenerated=self.tokens_regenerated,
         )
+
+
+def cut_group_tree(epoch: int, index: int, version_start: int, partial: PartialGroup) -> dict:
+    """A cut group as a checkpoint subtree (arrays and numbers only)."""
+    g = partial.sofar
+    return {
+        "epoch": epoch,
+        "index": index,
+        "version_start": version_start,
+        "prompt": np.asarray(partial.prompt, dtype=np.int32),
+        "response_ids": g.response_ids,
+        "response_lengths": g.response_lengths,
+        "log_probs": g.log_probs,
+        "versions": g.versions,
+        "finished": partial.finished,
+    }
+
+
+def cut_group_of(tree: dict) -> tuple[int, int, int, PartialGroup]:
+    sofar = Generation(
+        tree["response_ids"], tree["response_lengths"], tree["log_probs"], tree["versions"]
+    )
+    partial = PartialGroup(tree["prompt"].tolist(), sofar, tree["finished"].astype(bool))
+    return int(tree["epoch"]), int(tree["index"]), int(tree["version_start"]), partial
 
 
 def run_rollouter(
     cfg: Config, topo: Topology, run_dir: Path, checkpoint: Path | None = None
 ) -> None:
-    """``checkpoint``: the checkpoint folder to resume from (None for a fresh start); this
-    rank reads its own part of it, nothing else (none if the checkpoint was written by fewer
-    rollout ranks: its RNGs then start from the seed)."""
+    """``checkpoint``: the checkpoint folder to resume from (None for a fresh start). This
+    rank reads its own small part of it (its RNGs, none if the checkpoint was written by
+    fewer rollout ranks) and the cut groups of every old rank ``o`` with ``o % R == rank``
+    (so that with fewer ranks than before no cut group is orphaned); nothing else."""
     torch.set_num_threads(cfg.rollout.torch_threads)
     torch.manual_seed(cfg.trainer.seed * 1000 + topo.world_rank)
     resume = None
-    if checkpoint is not None and (checkpoint / protocol.rollout_part(topo.world_rank)).exists():
-        part = checkpoint / protocol.rollout_part(topo.world_rank)
-        with CheckpointReader(part) as reader:
-            resume = {"rng": reader.get("rng")}
-            log.info("resume read %d bytes, from %s only", reader.bytes_read, part.name)
+    if checkpoint is not None:
+        old_ranks = protocol.read_manifest(checkpoint)["rollout_ranks"]
+        resume = {"rng": None, "partial": []}
+        names, read = [], 0
+        for old in range(topo.world_rank, old_ranks, topo.rollout_ranks):
+            part = checkpoint / protocol.rollout_part(old)
+            with CheckpointReader(part) as reader:
+                if old == topo.world_rank:
+                    resume["rng"] = reader.get("rng")
+                resume["partial"] += [cut_group_of(t) for t in reader.get("partial") or []]
+                read += reader.bytes_read
+            names.append(part.name)
+        log.info("resume read %d bytes, from %s only", read, ", ".join(names) or "no part")
     Rollouter(cfg, topo, run_dir, resume).run()

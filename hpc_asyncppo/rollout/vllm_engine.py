@@ -47,7 +47,7 @@ import torch
 from transformers import AutoTokenizer
 
 from hpc_asyncppo.config import ModelConfig, RolloutConfig
-from hpc_asyncppo.rollout.generation import Generation
+from hpc_asyncppo.rollout.generation import Generation, PartialGroup
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,7 @@ class VLLMEngine:
             output_kind=RequestOutputKind.DELTA,
         )
         self.version = -1
+        self.should_stop = None  # unused: a step is one decoding step, the loop checks between
         self.groups: dict[Hashable, _Group] = {}
         self.running: dict[str, tuple[Hashable, int]] = {}  # request id -> (group key, response)
         self._ids = itertools.count()
@@ -184,6 +185,40 @@ class VLLMEngine:
         self.groups[key] = _Group(list(prompt), [_Response() for _ in range(n)])
         for j in range(n):
             self._start(key, j)
+
+    def resume(self, key: Hashable, partial: PartialGroup) -> None:
+        """Continue a group cut earlier (e.g. by a checkpoint before a stop) from its tokens:
+        its unfinished responses start at the next ``step``, their tokens so far appended
+        to the prompt."""
+        if key in self.groups:
+            raise ValueError(f"a prompt group with key {key!r} is already in flight")
+        g = partial.sofar
+        self.groups[key] = _Group(
+            list(partial.prompt),
+            [
+                _Response(
+                    g.response_ids[j, :length].tolist(),
+                    g.log_probs[j, :length].tolist(),
+                    g.versions[j, :length].tolist(),
+                    bool(partial.finished[j]),
+                )
+                for j, length in enumerate(g.response_lengths.tolist())
+            ],
+        )
+
+    def unfinished(self) -> list[tuple[Hashable, PartialGroup]]:
+        """Every group in flight with its tokens so far (after ``interrupt``: a checkpoint)."""
+        return [
+            (
+                key,
+                PartialGroup(
+                    list(group.prompt),
+                    self._generation(group),
+                    np.array([r.finished for r in group.responses], dtype=bool),
+                ),
+            )
+            for key, group in self.groups.items()
+        ]
 
     def step(self) -> list[tuple[Hashable, Generation]]:
         """One decoding step of every running request (resuming interrupted ones first);

@@ -47,14 +47,19 @@ class CreditController:
         self.queued -= trained + dropped
         self.trained += trained
 
-    def revoke_unused(self) -> None:
-        """Rollout ranks dropped their unused credits (a checkpoint): nothing is in flight."""
-        self.used -= sum(self.in_flight)
-        self.in_flight = [0] * len(self.in_flight)
+    def revoke_unused(self, kept: list[int] | None = None) -> None:
+        """Rollout ranks dropped their unused credits (a checkpoint); each still generates
+        ``kept[rank]`` groups it had started (cut, in the checkpoint), which stay in flight."""
+        kept = kept or [0] * len(self.in_flight)
+        self.used -= sum(self.in_flight) - sum(kept)
+        self.in_flight = list(kept)
 
-    def resume(self, trained: int, queued: int) -> None:
-        """After a restore: ``trained`` groups done, ``queued`` waiting, nothing in flight."""
+    def resume(self, trained: int, queued: int, in_flight: list[int] | None = None) -> None:
+        """After a restore: ``trained`` groups done, ``queued`` waiting, ``in_flight[rank]``
+        started groups each rank continues from the checkpoint (none if not given)."""
         self.trained, self.queued = trained, queued
+        if in_flight is not None:
+            self.in_flight = list(in_flight)
 
     def synced(self) -> None:
         """A new weight version: the budget restarts from what is still outstanding."""

@@ -103,6 +103,14 @@ class SpillQueue:
         self._head_bytes -= buf.nbytes
         return buf
 
+    def push_front(self, bufs: list[np.ndarray]) -> None:
+        """Put items just popped back at the front, in their order (a batch abandoned by a
+        stop). They were in memory a moment ago, so they go back to the head whatever its
+        size: the limit holds again once they are popped."""
+        for buf in reversed(bufs):
+            self._head.appendleft(buf)
+            self._head_bytes += buf.nbytes
+
     def popleft_many(self, k: int) -> list[np.ndarray]:
         """The ``min(k, len(self))`` oldest items, oldest first."""
         return [self.pop() for _ in range(min(k, len(self)))]

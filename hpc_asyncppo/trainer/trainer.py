@@ -34,7 +34,7 @@ from hpc_asyncppo.checkpoint.store import (
 )
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.launch.rundir import PREEMPTED
-from hpc_asyncppo.runtime.signals import stop_requested
+from hpc_asyncppo.runtime.signals import stop_requested, stop_requested_at
 from hpc_asyncppo.runtime.topology import Topology
 from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.tasks.overlong import usable_prompts
@@ -89,6 +89,8 @@ class TrainerLeader:
         self.elapsed_before_s = 0.0  # training time of earlier runs of this job (resume)
         self.last_sync_s = 0.0
         self.rollout_idle: dict[int, tuple[float, float]] = {}
+        self.partial_groups = [0] * topo.rollout_ranks  # cut groups each rank holds
+        self.tokens_regenerated: dict[int, int] = {}  # per rollout rank, cumulative
         if checkpoint is not None:
             self.restore(checkpoint)
         else:
@@ -112,6 +114,9 @@ class TrainerLeader:
             if stopped_by:
                 break
             groups = self.collect_batch()
+            if groups is None:  # a stop signal came while the batch was being gathered
+                stopped_by = stop_requested()
+                break
             train_start = time.time()
             batch = collate(groups, self.advantages(groups), self.pad_id)
             shards = shard_rows(
@@ -129,7 +134,10 @@ class TrainerLeader:
         if stopped_by:
             log.warning("%s received: checkpointing at step %d and stopping", stopped_by, self.step)
             self.checkpoint(f"signal {stopped_by}")
-            marker = {"step": self.step, "signal": stopped_by, "time": time.time()}
+            latency = time.time() - (stop_requested_at() or time.time())
+            log.warning("checkpoint/stop_latency_s %.2f (signal to durable checkpoint)", latency)
+            marker = {"step": self.step, "signal": stopped_by, "time": time.time(),
+                      "checkpoint/stop_latency_s": round(latency, 3)}  # fmt: skip
             (self.run_dir / PREEMPTED).write_text(json.dumps(marker) + "\n")
         elif self.cfg.checkpoint.save_final:
             self.checkpoint("final")
@@ -142,6 +150,7 @@ class TrainerLeader:
             group = decode_group(buf)
             self.credits.received(group.rollout_rank)
             self.rollout_idle[group.rollout_rank] = (group.rollout_idle_s, group.rollout_elapsed_s)
+            self.tokens_regenerated[group.rollout_rank] = group.tokens_regenerated
             self.queue.push(buf)
 
     def grant(self) -> None:
@@ -150,20 +159,27 @@ class TrainerLeader:
             for _ in range(count):
                 self.receiver.send_control(rank, Control.CREDIT, self.order.take())
 
-    def collect_batch(self) -> list[SampleGroup]:
-        """The next ``required_groups`` groups within the staleness bound, oldest first."""
+    def collect_batch(self) -> list[SampleGroup] | None:
+        """The next ``required_groups`` groups within the staleness bound, oldest first; or
+        None if a stop signal came first: the groups taken go back to the front of the
+        queue, so that the checkpoint holds them and nothing of the step is kept."""
         batch: list[SampleGroup] = []
+        taken: list[np.ndarray] = []  # their encoded forms, to put back on a stop
         waited_since, wall_start = time.monotonic(), time.time()
 
         def ready() -> bool:
+            if stop_requested():
+                return True
             self.receive()
             self.grant()
             while len(self.queue) and len(batch) < self.cfg.required_groups:
-                group = decode_group(self.queue.pop())
+                buf = self.queue.pop()
+                group = decode_group(buf)
                 if staleness_of(group, self.version) > self.cfg.async_training.max_staleness:
                     self.drop(group, "stale")
                 else:
                     batch.append(group)
+                    taken.append(buf)
             return len(batch) == self.cfg.required_groups
 
         try:
@@ -175,6 +191,9 @@ class TrainerLeader:
             ) from None
         self.idle_s += time.monotonic() - waited_since
         self.timeline.record("wait", wall_start, time.time(), step=self.step + 1)
+        if stop_requested():
+            self.queue.push_front(taken)
+            return None
         self.credits.consumed(trained=len(batch), dropped=0)
         return batch
 
@@ -289,8 +308,13 @@ class TrainerLeader:
 
     def checkpoint(self, reason: str) -> None:
         """Every rank writes its own part of the checkpoint in parallel; the leader drains the
-        groups the rollout ranks sent before theirs, writes the queue and commits."""
-        if self.saved_at_this_step():  # e.g. a stop signal right after a periodic one
+        groups the rollout ranks sent before theirs, writes the queue and commits.
+
+        Rollout ranks cut the groups they are generating and write them with their tokens so
+        far (they continue afterwards, or after a resume). A step already saved is not saved
+        again (a stop right after a periodic checkpoint): what was generated since is
+        generated again after a resume, its prompts being handed out anew."""
+        if self.saved_at_this_step():
             return
         start = time.time()
         folder = protocol.step_dir(self.run_dir, self.step)
@@ -301,7 +325,12 @@ class TrainerLeader:
             parts = self.gather_rollout_parts()
             parts.append(write_trainer_part(folder, self.policy, 0))
             parts += self.gather_follower_parts()
-            leader = {"queue": self.queue.snapshot(), "order": self.order.state_dict()}
+            leader = {
+                "queue": self.queue.snapshot(),
+                "order": self.order.state_dict(),
+                # per rollout rank: groups cut and kept in its part, continued after resume
+                "partial_groups": np.asarray(self.partial_groups, dtype=np.int64),
+            }
             parts.append(protocol.write_part(folder, protocol.LEADER_PART, leader))
             protocol.commit(folder, parts, self.checkpoint_meta(reason))
         except BaseException:
@@ -338,13 +367,14 @@ class TrainerLeader:
             for rank, buf in self.receiver.poll_states().items():
                 arrays, reports[rank] = unpack_arrays(buf)
                 unused.extend(int(d) for d in arrays["unused"])
+                self.partial_groups[rank] = int(reports[rank]["partial_groups"])
             return len(reports) == self.topo.rollout_ranks and all(
                 self.receiver.received_from[r] == report["groups_sent"]
                 for r, report in reports.items()
             )
 
         poll_until(ready, self.cfg.timeouts.rank_wait_s, "rollout ranks' checkpoint parts")
-        self.credits.revoke_unused()
+        self.credits.revoke_unused(kept=self.partial_groups)
         self.order.give_back(unused)
         return [protocol.PartInfo.from_json(reports[r]["part"]) for r in sorted(reports)]
 
@@ -374,6 +404,10 @@ class TrainerLeader:
                     "owned it): start a new run"
                 )
             self.order.load_state_dict(reader.get("order"))
+            # The cut groups of old rank o are continued by rank o % R (run_rollouter).
+            kept = [0] * self.topo.rollout_ranks
+            for old, count in enumerate(reader.get("partial_groups").tolist()):
+                kept[old % self.topo.rollout_ranks] += count
         self.step, self.version = meta["step"], meta["param_version"]
         self.unsynced_steps = meta.get("synced_step", -1) != self.step
         self.samples_trained, self.samples_dropped = (
@@ -381,7 +415,8 @@ class TrainerLeader:
             meta["samples_dropped"],
         )
         self.elapsed_before_s, self.idle_s = meta["elapsed_s"], meta["idle_s"]
-        self.credits.resume(trained=meta["groups_trained"], queued=len(self.queue))
+        self.credits.resume(trained=meta["groups_trained"], queued=len(self.queue), in_flight=kept)
+        self.partial_groups = kept
         # Steps after the checkpoint are trained again: forget what the killed run logged of them.
         runlog.truncate_to_step(self.run_dir, self.step)
         (self.run_dir / PREEMPTED).unlink(missing_ok=True)

@@ -57,6 +57,7 @@ class SampleGroup:
     rewards: np.ndarray
     rollout_idle_s: float = 0.0  # the sender's cumulative waiting time when it sent this group
     rollout_elapsed_s: float = 0.0  # the sender's time since training started
+    tokens_regenerated: int = 0  # the sender's cumulative count of cut tokens thrown away
     meta: dict = field(default_factory=dict)
 
     @property
@@ -77,6 +78,7 @@ _SCALARS = (
     "param_version_end",
     "rollout_idle_s",
     "rollout_elapsed_s",
+    "tokens_regenerated",
 )
 _ARRAYS = {
     "prompt_ids": np.int32,

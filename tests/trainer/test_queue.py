@@ -30,6 +30,7 @@ def test_random_pushes_and_pops_keep_fifo_order_and_bytes(tmp_path, memory_limit
     queue = SpillQueue(tmp_path / "overflow.h5", memory_limit_mb, io_chunk_mb=io_chunk_mb)
     reference: deque[np.ndarray] = deque()
     largest, spilled_seen = 0, False
+    returned: list[int] = []  # bytes of the items pushed back at the front, front first
     for i in range(4000):
         if rng.random() < 0.7:
             buf = item(i, rng)
@@ -39,10 +40,18 @@ def test_random_pushes_and_pops_keep_fifo_order_and_bytes(tmp_path, memory_limit
         elif reference:
             many = rng.random() < 0.1
             got = queue.popleft_many(rng.randint(1, 5)) if many else [queue.pop()]
-            assert_items_equal(got, [reference.popleft() for _ in got])
+            assert_items_equal(got, [reference[k] for k in range(len(got))])
+            returned = returned[len(got) :]  # popped again: back under the limit
+            if rng.random() < 0.2:  # a batch abandoned by a stop goes back to the front
+                queue.push_front(got)
+                returned = [g.nbytes for g in got] + returned
+            else:
+                for _ in got:
+                    reference.popleft()
         assert len(queue) == len(reference)
-        # At most the limit, except one item larger than the limit being read back.
-        assert queue.memory_bytes <= max(queue.memory_limit, largest)
+        # At most the limit, except one item larger than the limit being read back and
+        # items put back at the front, until they are popped again.
+        assert queue.memory_bytes <= max(queue.memory_limit, largest) + sum(returned)
         spilled_seen |= queue.spilled_count > 0
         if i % 997 == 0:
             assert_items_equal(queue.snapshot(), list(reference))
