@@ -161,8 +161,13 @@ def test_engine_specific_settings_are_checked(overrides, expected):
             "nothing rejected",
         ),
         (
-            ["rollout.engine=vllm", "model.tiny.num_heads=2", "rollout.top_p=0.9",
-             "algorithm.rollout_rs=geometric", "algorithm.rollout_rs_threshold=1.001"],
+            [
+                "rollout.engine=vllm",
+                "model.tiny.num_heads=2",
+                "rollout.top_p=0.9",
+                "algorithm.rollout_rs=geometric",
+                "algorithm.rollout_rs_threshold=1.001",
+            ],
             "truncated distribution",
         ),  # fmt: skip
         (
