@@ -765,6 +765,23 @@ def rollout_rejection_mask(
     return keep.to(old_log_prob.dtype)
 
 
+def rejection_counts(keep: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(4,) float64: tokens rejected, response tokens, responses with a rejected token and
+    responses, of a `rollout_rejection_mask` over (B, L); sum them over every trainer rank
+    for the fractions masked out of the whole batch."""
+    mask = response_mask.double()
+    rejected = mask * (1 - keep.double())
+    responses = mask.sum(dim=-1) > 0
+    return torch.stack(
+        [
+            rejected.sum(),
+            mask.sum(),
+            ((rejected.sum(dim=-1) > 0) & responses).sum().double(),
+            responses.sum().double(),
+        ]
+    )
+
+
 def has_reward_variance(metric: torch.Tensor) -> torch.Tensor:
     """Which groups dynamic sampling keeps (DAPO, https://arxiv.org/abs/2503.14476; verl's
     `filter_groups`): those whose responses do not all score the same.

@@ -47,6 +47,12 @@ class CreditController:
         self.queued -= trained + dropped
         self.trained += trained
 
+    def refund(self, count: int = 1) -> None:
+        """``count`` groups dropped by dynamic sampling give their budget back, so they are
+        refilled before the next sync (which only comes after the step they were meant for):
+        neither trained nor waiting, they no longer hold back the rollout."""
+        self.used = max(0, self.used - count)
+
     def revoke_unused(self) -> None:
         """Rollout ranks dropped their unused credits (a checkpoint): nothing is in flight."""
         self.used -= sum(self.in_flight)

@@ -544,6 +544,12 @@ def test_rollout_rejection_mask_by_hand(level, lower, expected):
     close(keep, expected)
 
 
+def test_rejection_counts_by_hand():
+    keep = algos.rollout_rejection_mask(t(RS_OLD), t(RS_ROLLOUT), t(RS_MASK), "token", 2.0)
+    # 2 of 5 response tokens rejected, both in response 0 (1 of 2 responses)
+    assert algos.rejection_counts(keep, t(RS_MASK)).tolist() == [2.0, 5.0, 1.0, 2.0]
+
+
 def test_geometric_rejection_with_tight_bounds():
     # bounds [0.95, 1.1]: row 0's 1.06 stays, row 1's 1.5 goes
     keep = algos.rollout_rejection_mask(
