@@ -92,6 +92,55 @@ def test_every_shipped_yaml_loads(tmp_path):
         load_config(path)
 
 
+def _flat(cfg: Config) -> dict:
+    from omegaconf import OmegaConf
+
+    tree = OmegaConf.to_container(OmegaConf.structured(cfg))
+
+    def walk(node, prefix=""):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                yield from walk(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    return dict(walk(tree))
+
+
+@pytest.mark.parametrize(
+    ("name", "changes"),
+    [
+        (
+            "dapo-qwen2.5-7b-gsm8k",
+            {
+                "algorithm.filter_groups.enable": True,
+                "algorithm.filter_groups.max_num_gen_batches": 10,
+                "reward.overlong_buffer.enable": True,
+                "reward.overlong_buffer.len": 256,
+            },
+        ),
+        (
+            "gspo-qwen2.5-7b-gsm8k",
+            {
+                "actor.policy_loss.loss_mode": "gspo",
+                "actor.clip_ratio_low": 3e-4,
+                "actor.clip_ratio_high": 4e-4,
+                "actor.loss_agg_mode": "seq-mean-token-mean",
+            },
+        ),
+    ],
+)
+def test_recipe_configs_change_only_what_their_comment_says(name, changes):
+    """Each recipe config is the GRPO 7B starting point plus exactly its recipe's keys."""
+    from hpc_asyncppo.config import config_warnings
+
+    base, recipe = _flat(load_config("qwen2.5-7b-gsm8k")), _flat(load_config(name))
+    assert {k: v for k, v in recipe.items() if base[k] != v} == changes
+    header = (CONFIG_DIR / f"{name}.yaml").read_text().split("\nmodel:")[0]
+    assert "qwen2.5-7b-gsm8k.yaml" in header  # says what it starts from
+    assert config_warnings(load_config(name)) == []
+
+
 def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(overrides=["actor.lr=0.25", "model.path=/x"])
     path = tmp_path / "config.yaml"
