@@ -170,14 +170,15 @@ class TrainerLeader:
             self.grant()
             while len(self.queue) and len(batch) < self.cfg.required_groups:
                 group = decode_group(self.queue.pop())
+                flat = not self.has_signal(group)
                 if staleness_of(group, self.version) > self.cfg.async_training.max_staleness:
                     self.drop(group, "stale")
-                elif not self.has_signal(group) and self.step_filtered < refills:
+                elif flat and self.step_filtered < refills:
                     self.drop(group, "filtered")
                     self.credits.refund(1)  # granted again at once: the batch is refilled
                     self.step_filtered += 1
                 else:
-                    self.step_flat_kept += not self.has_signal(group)
+                    self.step_flat_kept += flat
                     batch.append(group)
             return len(batch) == self.cfg.required_groups
 
