@@ -84,6 +84,13 @@ class RolloutConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    # vanilla (PPO clip with dual-clip) | gspo (sequence-level ratio, clip ranges as verl's
+    # GSPO recipe: actor.clip_ratio_low=3e-4, clip_ratio_high=4e-4)
+    loss_mode: str = "vanilla"
+
+
+@dataclass
 class ActorConfig:
     lr: float = 1e-3  # AdamW learning rate of the policy
     weight_decay: float = 0.0  # AdamW weight decay
@@ -97,11 +104,15 @@ class ActorConfig:
     clip_ratio_low: float = 0.2  # PPO clip: ratio >= 1 - clip_ratio_low
     clip_ratio_high: float = 0.2  # PPO clip: ratio <= 1 + clip_ratio_high
     clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages (> 1)
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (the
+    # token sums over rollout.response_length instead of each response's length, Dr.GRPO)
+    loss_agg_mode: str = "token-mean"
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     entropy_coeff: float = 0.0  # entropy bonus coefficient
     use_kl_loss: bool = False  # add a KL penalty to a frozen reference (the initial) model
     kl_loss_coef: float = 0.001  # weight of the KL penalty
-    kl_loss_type: str = "low_var_kl"  # kl | abs | mse | low_var_kl
+    # k1 (kl) | k2 (mse) | k3 (low_var_kl) | abs, or any with "+": its value, k2's gradient
+    kl_loss_type: str = "low_var_kl"
     grad_clip: float = 1.0  # max global grad norm; 0 disables
     use_dynamic_bsz: bool = False  # micro-batches by token budget instead of row count (verl)
     ppo_max_token_len_per_gpu: int = (
@@ -127,8 +138,21 @@ class CriticConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    enable: bool = False  # DAPO dynamic sampling: drop groups whose metric is the same for all n
+    # what is compared: acc | score (the task's reward) | seq_reward | seq_final_reward (the
+    # reward plus the overlong penalty); verl's names for what its groups carry
+    metric: str = "acc"
+    # groups generated per trainer step, in batches of required_groups, at most (verl): at most
+    # (max_num_gen_batches - 1) * required_groups groups are dropped per step, then the step
+    # trains on the zero-variance groups it gets; 0: no bound
+    max_num_gen_batches: int = 0
+
+
+@dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"  # grpo | drgrpo | gae
+    # grpo | drgrpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gae
+    adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = (
         True  # GRPO divides by the group std; Dr.GRPO (drgrpo) never does
     )
@@ -138,6 +162,24 @@ class AlgorithmConfig:
         "none"  # none | token | sequence: truncated importance sampling vs rollout log-probs
     )
     rollout_is_threshold: float = 2.0  # truncation threshold of the importance weights
+    # none | token | sequence | geometric: mask out tokens (token) or whole responses whose
+    # ratio pi_old / pi_rollout (per token, product, geometric mean) is outside the bounds
+    rollout_rs: str = "none"
+    rollout_rs_threshold: float = 2.0  # rejection sampling: upper bound on the ratio
+    rollout_rs_threshold_lower: float | None = None  # lower bound; unset: 1 / upper (verl)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False  # DAPO's overlong penalty on responses near rollout.response_length
+    len: int = 0  # tokens before rollout.response_length where the penalty ramps in (>= 1)
+    penalty_factor: float = 1.0  # the penalty at rollout.response_length tokens
+
+
+@dataclass
+class RewardConfig:
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass
@@ -203,6 +245,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -242,10 +285,28 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
     "actor.lr_scheduler": ("constant", "cosine"),
     "rollout.engine": ("hf", "vllm"),
-    "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
-    "actor.kl_loss_type": ("kl", "abs", "mse", "low_var_kl"),
-    "algorithm.adv_estimator": ("grpo", "drgrpo", "gae"),
+    "actor.loss_agg_mode": (
+        "token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+    ),
+    "actor.policy_loss.loss_mode": ("vanilla", "gspo"),
+    "actor.kl_loss_type": (
+        *("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"),
+        *("k1+", "kl+", "k2+", "mse+", "k3+", "low_var_kl+", "abs+"),
+    ),
+    "algorithm.adv_estimator": (
+        "grpo",
+        "drgrpo",
+        "rloo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "gae",
+    ),
     "algorithm.rollout_is": ("none", "token", "sequence"),
+    "algorithm.rollout_rs": ("none", "token", "sequence", "geometric"),
+    "algorithm.filter_groups.metric": ("acc", "score", "seq_reward", "seq_final_reward"),
     "async_training.mode": ("fully_async", "sync"),
 }
 
@@ -293,6 +354,10 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "algorithm.gamma": (0, False),
     "algorithm.lam": (0, False),
     "algorithm.rollout_is_threshold": (1, False),
+    "algorithm.rollout_rs_threshold": (0, True),
+    "algorithm.filter_groups.max_num_gen_batches": (0, False),
+    "reward.overlong_buffer.len": (0, False),
+    "reward.overlong_buffer.penalty_factor": (0, False),
     "async_training.staleness_threshold": (0, False),
     "async_training.trigger_parameter_sync_step": (1, False),
     "async_training.require_batches": (1, False),
@@ -360,19 +425,49 @@ def _yaml_problem(exc: yaml.YAMLError, with_line: bool = True) -> str:
 def _check_combinations(cfg: Config) -> None:
     """Settings that are valid alone but cannot be right together. Raises ConfigError."""
     truncated = cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0
-    uses_rollout_lp = cfg.async_training.use_rollout_log_probs or cfg.algorithm.rollout_is != "none"
+    algo = cfg.algorithm
+    uses_rollout_lp = (
+        cfg.async_training.use_rollout_log_probs
+        or algo.rollout_is != "none"
+        or algo.rollout_rs != "none"
+    )
     if cfg.rollout.engine == "vllm" and truncated and uses_rollout_lp:
         raise ConfigError(
             f"rollout.engine=vllm with rollout.top_p={cfg.rollout.top_p} / rollout.top_k="
             f"{cfg.rollout.top_k}: vLLM's log-probs are then over the truncated distribution, the "
-            "trainer's over the full one, and this config uses them (use_rollout_log_probs or "
-            "rollout_is); set rollout.top_p=1.0 rollout.top_k=0"
+            "trainer's over the full one, and this config uses them (use_rollout_log_probs, "
+            "rollout_is or rollout_rs); set rollout.top_p=1.0 rollout.top_k=0"
         )
-    if cfg.async_training.use_rollout_log_probs and cfg.algorithm.rollout_is != "none":
+    if cfg.async_training.use_rollout_log_probs and algo.rollout_is != "none":
         raise ConfigError(
             f"async_training.use_rollout_log_probs=true with algorithm.rollout_is="
-            f"{cfg.algorithm.rollout_is}: the importance weights would compare the rollout's "
+            f"{algo.rollout_is}: the importance weights would compare the rollout's "
             "log-probs with themselves (all 1); drop one of the two"
+        )
+    if cfg.async_training.use_rollout_log_probs and algo.rollout_rs != "none":
+        raise ConfigError(
+            f"async_training.use_rollout_log_probs=true with algorithm.rollout_rs="
+            f"{algo.rollout_rs}: rejection sampling would compare the rollout's log-probs with "
+            "themselves (every ratio 1, nothing rejected); drop one of the two"
+        )
+    if algo.rollout_rs != "none":
+        lower = algo.rollout_rs_threshold_lower
+        effective = 1.0 / algo.rollout_rs_threshold if lower is None else lower
+        if lower is not None and lower <= 0:
+            raise ConfigError(f"algorithm.rollout_rs_threshold_lower={lower} must be > 0")
+        if effective >= algo.rollout_rs_threshold:
+            raise ConfigError(
+                f"algorithm.rollout_rs_threshold_lower={effective:g} (unset: 1 / "
+                f"rollout_rs_threshold) must be below algorithm.rollout_rs_threshold="
+                f"{algo.rollout_rs_threshold:g}: nothing would be kept; e.g. set "
+                "rollout_rs_threshold=2.0 (geometric: 1.001)"
+            )
+    overlong = cfg.reward.overlong_buffer
+    if overlong.enable and not 1 <= overlong.len <= cfg.rollout.response_length:
+        raise ConfigError(
+            f"reward.overlong_buffer.len={overlong.len} must be between 1 and "
+            f"rollout.response_length={cfg.rollout.response_length} when "
+            "reward.overlong_buffer.enable=true"
         )
     seqs, tokens = cfg.rollout.max_num_seqs, cfg.rollout.max_num_batched_tokens
     if seqs and tokens and tokens < seqs:
@@ -424,6 +519,15 @@ def config_warnings(cfg: Config) -> list[str]:
             "rollout.engine=vllm with top_p < 1 or top_k > 0: its recorded log-probs are over the "
             "truncated distribution (unused by this config's loss, but not comparable with the "
             "trainer's)"
+        )
+    if (
+        cfg.actor.policy_loss.loss_mode == "gspo"
+        and cfg.actor.loss_agg_mode != "seq-mean-token-mean"
+    ):
+        warnings.append(
+            f"actor.policy_loss.loss_mode=gspo aggregates its policy loss with seq-mean-token-mean "
+            f"(as verl); actor.loss_agg_mode={cfg.actor.loss_agg_mode} applies to the entropy, "
+            "KL and value terms only"
         )
     if cfg.async_training.mode == "fully_async" and cfg.async_training.max_staleness == 0:
         warnings.append(
@@ -486,8 +590,12 @@ def validate(cfg: Config, rollout_ranks: int = 1, train_ranks: int = 1) -> None:
         )
     if cfg.model.tiny.hidden_size % cfg.model.tiny.num_heads:
         raise ConfigError("model.tiny.hidden_size must be a multiple of model.tiny.num_heads")
-    if cfg.algorithm.adv_estimator in ("grpo", "drgrpo") and cfg.rollout.n < 2:
-        raise ConfigError(f"rollout.n={cfg.rollout.n}: GRPO needs at least 2 responses per prompt")
+    group_baseline = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
+    if cfg.algorithm.adv_estimator in group_baseline and cfg.rollout.n < 2:
+        raise ConfigError(
+            f"rollout.n={cfg.rollout.n}: algorithm.adv_estimator={cfg.algorithm.adv_estimator} "
+            "needs at least 2 responses per prompt (its baseline is the group's other responses)"
+        )
     _check_combinations(cfg)
     if rollout_ranks < 1 or train_ranks < 1:
         raise ConfigError("need at least one rollout rank and one trainer rank")

@@ -47,6 +47,14 @@ def test_override_types_are_converted():
         ("rollout.top_p=1.5", "rollout.top_p=1.5 must be <= 1.0"),
         ("async_training.staleness_threshold=-0.1", "must be >= 0"),
         ("actor.loss_agg_mode=mean", "token-mean, seq-mean-token-sum, seq-mean-token-mean"),
+        ("actor.policy_loss.loss_mode=gpg", "actor.policy_loss.loss_mode='gpg' is not one of"),
+        ("actor.kl_loss_type=full", "k1, kl, k2, mse, k3, low_var_kl, abs, k1+"),
+        ("algorithm.adv_estimator=remax", "rloo, reinforce_plus_plus, reinforce_plus_plus_base"),
+        ("algorithm.rollout_rs=seq", "algorithm.rollout_rs='seq' is not one of"),
+        ("algorithm.rollout_rs_threshold=0", "algorithm.rollout_rs_threshold=0.0 must be > 0"),
+        ("algorithm.filter_groups.metric=reward", "acc, score, seq_reward, seq_final_reward"),
+        ("algorithm.filter_groups.max_num_gen_batches=-1", "max_num_gen_batches=-1 must be >= 0"),
+        ("reward.overlong_buffer.penalty_factor=-1", "penalty_factor=-1.0 must be >= 0"),
     ],
 )
 def test_bad_values_name_the_key(override, expected):
@@ -82,6 +90,55 @@ def test_every_shipped_yaml_loads(tmp_path):
     shipped = sorted(CONFIG_DIR.glob("*.yaml"))
     for path in shipped:
         load_config(path)
+
+
+def _flat(cfg: Config) -> dict:
+    from omegaconf import OmegaConf
+
+    tree = OmegaConf.to_container(OmegaConf.structured(cfg))
+
+    def walk(node, prefix=""):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                yield from walk(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    return dict(walk(tree))
+
+
+@pytest.mark.parametrize(
+    ("name", "changes"),
+    [
+        (
+            "dapo-qwen2.5-7b-gsm8k",
+            {
+                "algorithm.filter_groups.enable": True,
+                "algorithm.filter_groups.max_num_gen_batches": 10,
+                "reward.overlong_buffer.enable": True,
+                "reward.overlong_buffer.len": 256,
+            },
+        ),
+        (
+            "gspo-qwen2.5-7b-gsm8k",
+            {
+                "actor.policy_loss.loss_mode": "gspo",
+                "actor.clip_ratio_low": 3e-4,
+                "actor.clip_ratio_high": 4e-4,
+                "actor.loss_agg_mode": "seq-mean-token-mean",
+            },
+        ),
+    ],
+)
+def test_recipe_configs_change_only_what_their_comment_says(name, changes):
+    """Each recipe config is the GRPO 7B starting point plus exactly its recipe's keys."""
+    from hpc_asyncppo.config import config_warnings
+
+    base, recipe = _flat(load_config("qwen2.5-7b-gsm8k")), _flat(load_config(name))
+    assert {k: v for k, v in recipe.items() if base[k] != v} == changes
+    header = (CONFIG_DIR / f"{name}.yaml").read_text().split("\nmodel:")[0]
+    assert "qwen2.5-7b-gsm8k.yaml" in header  # says what it starts from
+    assert config_warnings(load_config(name)) == []
 
 
 def test_resolved_config_round_trips(tmp_path):
@@ -149,6 +206,34 @@ def test_engine_specific_settings_are_checked(overrides, expected):
         ),  # fmt: skip
         (["async_training.use_rollout_log_probs=true", "algorithm.rollout_is=sequence"], "all 1"),
         (
+            ["async_training.use_rollout_log_probs=true", "algorithm.rollout_rs=token"],
+            "nothing rejected",
+        ),
+        (
+            [
+                "rollout.engine=vllm",
+                "model.tiny.num_heads=2",
+                "rollout.top_p=0.9",
+                "algorithm.rollout_rs=geometric",
+                "algorithm.rollout_rs_threshold=1.001",
+            ],
+            "truncated distribution",
+        ),  # fmt: skip
+        (
+            ["algorithm.rollout_rs=token", "algorithm.rollout_rs_threshold=0.5"],
+            "rollout_rs_threshold_lower=2 .* must be below algorithm.rollout_rs_threshold=0.5",
+        ),
+        (
+            ["algorithm.rollout_rs=token", "algorithm.rollout_rs_threshold_lower=3"],
+            "rollout_rs_threshold_lower=3 .* must be below",
+        ),
+        (["reward.overlong_buffer.enable=true"], "overlong_buffer.len=0 must be between 1 and"),
+        (
+            ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=7"],
+            "rollout.response_length=6",
+        ),
+        (["algorithm.adv_estimator=rloo", "rollout.n=1"], "rloo needs at least 2 responses"),
+        (
             ["rollout.max_num_seqs=64", "rollout.max_num_batched_tokens=32"],
             "max_num_batched_tokens=32 is below rollout.max_num_seqs=64",
         ),
@@ -164,8 +249,33 @@ def test_engine_specific_settings_are_checked(overrides, expected):
     ],
 )
 def test_combinations_that_cannot_be_right_are_refused(overrides, expected):
-    with pytest.raises(ConfigError, match=expected):
+    with pytest.raises(ConfigError, match=expected) as info:
         load_config(overrides=overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_recipe_keys_load_with_verl_names():
+    cfg = load_config(
+        overrides=[
+            "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.metric=seq_reward",
+            "algorithm.filter_groups.max_num_gen_batches=10",
+            "reward.overlong_buffer.enable=true",
+            "reward.overlong_buffer.len=2",
+            "reward.overlong_buffer.penalty_factor=0.5",
+            "algorithm.adv_estimator=reinforce_plus_plus",
+            "algorithm.rollout_rs=geometric",
+            "algorithm.rollout_rs_threshold=1.001",
+            "actor.policy_loss.loss_mode=gspo",
+            "actor.loss_agg_mode=seq-mean-token-sum-norm",
+            "actor.kl_loss_type=k3+",
+        ]
+    )
+    assert cfg.algorithm.filter_groups.max_num_gen_batches == 10
+    assert cfg.reward.overlong_buffer.len == 2
+    assert cfg.algorithm.rollout_rs_threshold_lower is None  # 1 / upper, as verl
+    # REINFORCE++ has no group baseline: one response per prompt is fine
+    load_config(overrides=["algorithm.adv_estimator=reinforce_plus_plus", "rollout.n=1"])
 
 
 def test_combinations_that_can_be_right_load_with_a_warning():
@@ -179,6 +289,12 @@ def test_combinations_that_can_be_right_load_with_a_warning():
                            "slurm.rollout.gpus_per_node=4", "slurm.rollout.ntasks_per_node=2",
                            "slurm.train.gpus_per_node=1"])  # fmt: skip
     assert config_warnings(load_config()) == []
+    gspo = load_config(overrides=["actor.policy_loss.loss_mode=gspo"])  # token-mean default
+    assert [w for w in config_warnings(gspo) if "entropy, KL and value terms only" in w]
+    gspo = load_config(
+        overrides=["actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=seq-mean-token-mean"]
+    )
+    assert config_warnings(gspo) == []
 
 
 def test_resume_keeps_what_the_checkpoint_depends_on():

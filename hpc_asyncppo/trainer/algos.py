@@ -1,4 +1,5 @@
-"""The PPO/GRPO math: advantages, losses, KL penalties and importance weights.
+"""The PPO/GRPO math: advantages, losses, KL penalties, importance weights and the recipes
+(DAPO dynamic sampling and overlong penalty, RLOO, REINFORCE++, GSPO, rejection sampling).
 
 Pure torch functions, no state. The math follows verl's `core_algos.py` and
 `torch_functional.py` (volcengine/verl) so that numbers are comparable with verl
@@ -19,9 +20,26 @@ from __future__ import annotations
 
 import torch
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-KL_KINDS = ("kl", "abs", "mse", "low_var_kl")
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+# Each name -> the estimator it computes (verl's names and aliases); a "+" suffix keeps the
+# value and takes k2's gradient (straight-through), as verl's kl_penalty.
+_KL_ESTIMATORS = {
+    "k1": "k1",
+    "kl": "k1",
+    "k2": "k2",
+    "mse": "k2",
+    "k3": "k3",
+    "low_var_kl": "k3",
+    "abs": "abs",
+}
+KL_KINDS = (*_KL_ESTIMATORS, *(f"{name}+" for name in _KL_ESTIMATORS))
 IS_LEVELS = ("token", "sequence")
+RS_LEVELS = ("token", "sequence", "geometric")
 
 # Bound on a log-ratio before exp(): exp(20) ~ 4.9e8 is finite in bf16/fp32.
 _LOG_RATIO_BOUND = 20.0
@@ -124,6 +142,55 @@ def grpo_advantages(
     return centered / (scores.std(dim=-1, keepdim=True) + eps)
 
 
+@torch.no_grad()
+def rloo_advantages(scores: torch.Tensor) -> torch.Tensor:
+    """REINFORCE leave-one-out (https://arxiv.org/abs/2402.14740; verl's
+    `compute_rloo_outcome_advantage`): each response's reward minus the mean reward of the
+    other n - 1 responses to its prompt, i.e. (r - group mean) * n / (n - 1).
+
+    Args:
+        scores: (G, n) one scalar reward per response.
+
+    Returns:
+        (G, n) advantages, detached. With n == 1 there is no other response: the reward
+        itself, as in verl (config validation asks for n >= 2).
+    """
+    n = scores.shape[-1]
+    if n == 1:
+        return scores.clone()
+    return (scores - scores.mean(dim=-1, keepdim=True)) * n / (n - 1)
+
+
+@torch.no_grad()
+def reinforce_pp_baseline_advantages(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++ with a group baseline (https://arxiv.org/abs/2501.03262; verl's
+    `compute_reinforce_plus_plus_baseline_outcome_advantage`): r - group mean, spread over
+    the response's tokens, then whitened over every token of the batch.
+
+    Whitening over tokens weights each response by its length: with c_i = r_i - mean of
+    its group and N = sum of lengths, mu = sum(len_i * c_i) / N and
+    var = sum(len_i * (c_i - mu)^2) / (N - 1); A_i = (c_i - mu) / sqrt(var + 1e-8), the
+    same on each of its tokens (verl's masked_whiten of the tiled (B, L) scores).
+
+    Args:
+        scores: (G, n) one scalar reward per response.
+        lengths: (G, n) response lengths in tokens (the masked tokens of each response).
+
+    Returns:
+        (G, n) advantages, detached, float64. Needs at least 2 tokens in the batch. A
+        group of one response has baseline 0, as in verl.
+    """
+    scores, weights = scores.double(), lengths.double()
+    baseline = scores.mean(dim=-1, keepdim=True) if scores.shape[-1] > 1 else 0.0
+    centered = scores - baseline
+    count = weights.sum()
+    if count < 2:
+        raise ValueError(f"whitening needs at least 2 response tokens, got {int(count)}")
+    mu = (weights * centered).sum() / count
+    var = (weights * (centered - mu) ** 2).sum() / (count - 1)
+    return (centered - mu) / torch.sqrt(var + 1e-8)
+
+
 def token_advantages(adv_per_response: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Spread one advantage per response over its tokens.
 
@@ -183,6 +250,45 @@ def gae_advantages(
     return (masked_whiten(advantages, mask) if whiten else advantages), returns
 
 
+@torch.no_grad()
+def reinforce_pp_advantages(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (https://arxiv.org/abs/2501.03262; verl's
+    `compute_reinforce_plus_plus_outcome_advantage`): discounted returns, whitened over
+    the whole batch, no baseline and no critic.
+
+    Backwards over t: G_t = r_t + gamma * G_{t+1}, where G_{t+1} counts as 0 when position
+    t + 1 is masked out (verl resets the running return there, so a masked observation
+    token inside a response cuts the return; GAE passes through it instead). With the
+    reward on the last token, G_t = gamma^(T-1-t) * r.
+
+    Args:
+        token_rewards: (B, L) reward at each token (usually only the last is non-zero).
+        response_mask: (B, L); needs at least 2 positions set in the batch (whitening).
+        gamma: discount factor.
+        whiten: False returns the returns as the advantages, for a caller that whitens
+            with moments over more than this batch (`whiten_with`, several trainer ranks).
+
+    Returns:
+        advantages: (B, L) returns whitened over the masked positions, times the mask.
+        returns: (B, L) G_t before whitening.
+    """
+    mask = response_mask.to(token_rewards.dtype)
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[-1])):
+        running = token_rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]
+    if not whiten:
+        return returns, returns
+    return masked_whiten(returns, mask) * mask, returns
+
+
 def masked_moments(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(3,) float64: count, sum and sum of squares of `values` over `mask`, to be summed
     over every part of a batch (e.g. all-reduced over trainer ranks) for `whiten_with`."""
@@ -209,19 +315,29 @@ def whiten_with(values: torch.Tensor, moments: torch.Tensor) -> torch.Tensor:
     return ((values - mean) * (var + 1e-8) ** -0.5).to(values.dtype)
 
 
-def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str,
+    norm_length: float | None = None,
+) -> torch.Tensor:
     """Reduce a per-token loss to a scalar (verl's `agg_loss`, single process).
 
     Modes:
         "token-mean": sum over all masked tokens / number of masked tokens.
         "seq-mean-token-sum": per response sum over its tokens, then mean over responses.
         "seq-mean-token-mean": per response mean over its tokens, then mean over responses.
+        "seq-mean-token-sum-norm": "seq-mean-token-sum" / `norm_length`, a constant (the
+            longest possible response) instead of each response's own length, so the
+            loss has no length bias (Dr.GRPO's MAX_TOKENS, verl's `loss_scale_factor`).
     In the seq-mean modes a response with no masked-in token is left out of the mean.
 
     Args:
         loss_mat: (B, L) per-token loss.
         loss_mask: (B, L).
         loss_agg_mode: one of LOSS_AGG_MODES.
+        norm_length: "seq-mean-token-sum-norm"'s divisor; None: L, the padded width (verl's
+            default, the max response length when rows are padded to it).
 
     Returns:
         Scalar tensor. Normalisers come from this batch only: verl's
@@ -241,7 +357,10 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     seq_losses = masked_sum(loss_mat, loss_mask, dim=-1)
     if loss_agg_mode == "seq-mean-token-mean":
         seq_losses = seq_losses / (token_counts + 1e-8)
-    return masked_mean(seq_losses, token_counts > 0)
+    loss = masked_mean(seq_losses, token_counts > 0)
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        loss = loss / (loss_mask.shape[-1] if norm_length is None else norm_length)
+    return loss
 
 
 def agg_loss_share(
@@ -250,6 +369,7 @@ def agg_loss_share(
     loss_agg_mode: str,
     global_tokens: float,
     global_seqs: float,
+    norm_length: float | None = None,
 ) -> torch.Tensor:
     """This part's share of `agg_loss` over a whole mini-batch split into parts
     (micro-batches, trainer ranks): summing the shares of every part gives `agg_loss` of
@@ -260,6 +380,7 @@ def agg_loss_share(
         "token-mean": sum over this part's masked tokens / `global_tokens`.
         "seq-mean-token-sum": sum over this part's responses of their token sums / `global_seqs`.
         "seq-mean-token-mean": sum over this part's responses of their token means / `global_seqs`.
+        "seq-mean-token-sum-norm": as "seq-mean-token-sum", then / `norm_length`.
 
     Args:
         loss_mat: (B, L) per-token loss of this part.
@@ -267,6 +388,12 @@ def agg_loss_share(
         loss_agg_mode: one of LOSS_AGG_MODES.
         global_tokens: masked tokens in the whole mini-batch (`loss_normalisers`, summed).
         global_seqs: responses with at least one masked token in the whole mini-batch.
+        norm_length: "seq-mean-token-sum-norm"'s divisor, the same for every part (the
+            configured max response length: a part's own width L would depend on the
+            split, since micro-batches are trimmed to their longest response).
+
+    Raises:
+        ValueError: unknown mode, or "seq-mean-token-sum-norm" without `norm_length`.
 
     Returns:
         Scalar tensor; 0 for a part with no masked token.
@@ -280,7 +407,12 @@ def agg_loss_share(
     seq_losses = masked_sum(loss_mat, loss_mask, dim=-1)
     if loss_agg_mode == "seq-mean-token-mean":
         seq_losses = seq_losses / loss_mask.sum(dim=-1).clamp(min=1)
-    return seq_losses.sum() / max(global_seqs, 1.0)
+    share = seq_losses.sum() / max(global_seqs, 1.0)
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        if norm_length is None:
+            raise ValueError("seq-mean-token-sum-norm over a split batch needs norm_length")
+        share = share / norm_length
+    return share
 
 
 def loss_normalisers(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -301,6 +433,7 @@ def policy_loss(
     loss_agg_mode: str,
     is_weights: torch.Tensor | None = None,
     normalisers: tuple[float, float] | None = None,
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with dual-clip (verl's `compute_policy_loss_vanilla`).
 
@@ -323,6 +456,7 @@ def policy_loss(
         normalisers: (global tokens, global responses) when this batch is one part of
             a mini-batch: the loss is then this part's `agg_loss_share`, and each stat
             its share of the mini-batch's token mean.
+        norm_length: "seq-mean-token-sum-norm"'s divisor (see `agg_loss_share`).
 
     Returns:
         loss: scalar, differentiable w.r.t. `log_prob`.
@@ -343,18 +477,81 @@ def policy_loss(
     if is_weights is not None:
         losses = losses * is_weights.detach()
 
-    def token_mean(values: torch.Tensor) -> torch.Tensor:
-        if normalisers is None:
-            return masked_mean(values, response_mask)
-        return masked_sum(values, response_mask) / max(normalisers[0], 1.0)
-
     with torch.no_grad():
         stats = {
-            "pg_clipfrac": token_mean((clipped > unclipped).float()),
-            "pg_clipfrac_lower": token_mean(((ppo_losses > dual_bound) & (advantages < 0)).float()),
-            "ppo_kl": token_mean(-log_ratio),
+            "pg_clipfrac": _token_mean((clipped > unclipped).float(), response_mask, normalisers),
+            "pg_clipfrac_lower": _token_mean(
+                ((ppo_losses > dual_bound) & (advantages < 0)).float(), response_mask, normalisers
+            ),
+            "ppo_kl": _token_mean(-log_ratio, response_mask, normalisers),
         }
-    return aggregate(losses, response_mask, loss_agg_mode, normalisers), stats
+    return aggregate(losses, response_mask, loss_agg_mode, normalisers, norm_length), stats
+
+
+def _token_mean(
+    values: torch.Tensor, mask: torch.Tensor, normalisers: tuple[float, float] | None
+) -> torch.Tensor:
+    """Token mean of a whole batch, or this part's share of the mini-batch's."""
+    if normalisers is None:
+        return masked_mean(values, mask)
+    return masked_sum(values, mask) / max(normalisers[0], 1.0)
+
+
+def gspo_policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    is_weights: torch.Tensor | None = None,
+    normalisers: tuple[float, float] | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO's sequence-level clipped surrogate (https://arxiv.org/abs/2507.18071; verl's
+    `compute_policy_loss_gspo`).
+
+    Per response i the importance ratio is the geometric mean of its token ratios,
+    s_i = exp(mean over its masked tokens of (log_prob - old_log_prob)). Each token
+    carries s_i as its value and its own log-prob's gradient:
+    log s_i,t = sg[log s_i] + log_prob_t - sg[log_prob_t], clamped above at 10. Per token:
+    max(-A * s_i,t, -A * clip(s_i,t, 1 - low, 1 + high)) (no dual-clip), then, if given,
+    times `is_weights`, then reduced with "seq-mean-token-mean" whatever
+    `actor.loss_agg_mode` says, as in verl. GSPO's clip ranges are much narrower than
+    PPO's (verl's recipe: low 3e-4, high 4e-4), since s_i is a per-token average.
+
+    Args:
+        log_prob: (B, L) log-probs of the sampled tokens under the policy being trained.
+        old_log_prob: (B, L) log-probs under the policy before this update.
+        advantages: (B, L), usually one value per response spread over its tokens.
+        response_mask: (B, L).
+        clip_ratio_low, clip_ratio_high: s is clipped to [1 - low, 1 + high].
+        is_weights: optional (B, L) weights (`rollout_importance_weights`), detached here.
+        normalisers: as in `policy_loss` (only the responses count is used).
+
+    Returns:
+        loss: scalar, differentiable w.r.t. `log_prob`.
+        stats: detached "pg_clipfrac" (token fraction where the clipped term was used),
+            "pg_clipfrac_lower" (always 0: no dual-clip) and "ppo_kl" (mean old - new
+            log-prob), each this part's share when `normalisers` are given.
+    """
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = log_prob - old_log_prob
+    lengths = mask.sum(dim=-1).clamp(min=1)
+    seq_log_ratio = masked_sum(log_ratio, mask, dim=-1) / lengths
+    log_s = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    s = torch.exp(torch.clamp(log_s, max=10.0))
+    unclipped = -advantages * s
+    clipped = -advantages * torch.clamp(s, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    losses = torch.maximum(unclipped, clipped)
+    if is_weights is not None:
+        losses = losses * is_weights.detach()
+    with torch.no_grad():
+        stats = {
+            "pg_clipfrac": _token_mean((clipped > unclipped).float(), response_mask, normalisers),
+            "pg_clipfrac_lower": torch.zeros((), dtype=log_prob.dtype, device=log_prob.device),
+            "ppo_kl": _token_mean(-log_ratio, response_mask, normalisers),
+        }
+    return aggregate(losses, response_mask, "seq-mean-token-mean", normalisers), stats
 
 
 def aggregate(
@@ -362,22 +559,27 @@ def aggregate(
     loss_mask: torch.Tensor,
     loss_agg_mode: str,
     normalisers: tuple[float, float] | None,
+    norm_length: float | None = None,
 ) -> torch.Tensor:
     """`agg_loss` of a whole batch (`normalisers` None), or `agg_loss_share` of a part."""
     if normalisers is None:
-        return agg_loss(loss_mat, loss_mask, loss_agg_mode)
-    return agg_loss_share(loss_mat, loss_mask, loss_agg_mode, *normalisers)
+        return agg_loss(loss_mat, loss_mask, loss_agg_mode, norm_length)
+    return agg_loss_share(loss_mat, loss_mask, loss_agg_mode, *normalisers, norm_length)
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from sampled-token log-probs.
 
-    Kinds (http://joschu.net/blog/kl-approx.html):
-        "kl": logp - ref (k1).
+    Kinds (http://joschu.net/blog/kl-approx.html; verl's names, aliases after the slash):
+        "k1" / "kl": logp - ref.
         "abs": |logp - ref|.
-        "mse": 0.5 * (logp - ref)^2 (k2).
-        "low_var_kl": exp(ref - logp) - (ref - logp) - 1 (k3), with ref - logp
+        "k2" / "mse": 0.5 * (logp - ref)^2.
+        "k3" / "low_var_kl": exp(ref - logp) - (ref - logp) - 1, with ref - logp
             clamped to [-20, 20] and the result to [-10, 10] as in verl.
+        any of them + "+" (e.g. "k3+"): the value of that estimator with the gradient of
+            k2 (straight-through: k2 - sg[k2] + sg[value]). k1's and k3's expectations are
+            the KL but their expected gradients are not its gradient; k2's is
+            (https://arxiv.org/abs/2505.17508). "k2+" is k2.
 
     Args:
         log_prob: (B, L) policy log-probs.
@@ -390,17 +592,24 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
     Raises:
         ValueError: unknown kind (the message lists the valid ones).
     """
+    straight_through = kind.endswith("+")
+    estimator = _KL_ESTIMATORS.get(kind[:-1] if straight_through else kind)
+    if estimator is None:
+        raise ValueError(f"unknown kl kind {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
     diff = log_prob - ref_log_prob
-    if kind == "kl":
-        return diff
-    if kind == "abs":
-        return diff.abs()
-    if kind == "mse":
-        return 0.5 * diff.square()
-    if kind == "low_var_kl":
+    if estimator == "k1":
+        value = diff
+    elif estimator == "abs":
+        value = diff.abs()
+    elif estimator == "k2":
+        value = 0.5 * diff.square()
+    else:
         log_ratio = torch.clamp(-diff, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
-        return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, -10.0, 10.0)
-    raise ValueError(f"unknown kl kind {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
+        value = torch.clamp(torch.exp(log_ratio) - log_ratio - 1, -10.0, 10.0)
+    if not straight_through or estimator == "k2":
+        return value
+    k2 = 0.5 * diff.square()
+    return k2 - k2.detach() + value.detach()
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -424,6 +633,7 @@ def value_loss(
     cliprange_value: float,
     loss_agg_mode: str,
     normalisers: tuple[float, float] | None = None,
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped value loss (verl's `compute_value_loss`).
 
@@ -438,6 +648,7 @@ def value_loss(
         cliprange_value: c above.
         loss_agg_mode: one of LOSS_AGG_MODES.
         normalisers: as in `policy_loss`.
+        norm_length: as in `policy_loss`.
 
     Returns:
         loss: scalar, differentiable w.r.t. `vpreds`.
@@ -448,7 +659,7 @@ def value_loss(
     unclipped = (vpreds - returns) ** 2
     clipped = (vpreds_clipped - returns) ** 2
     loss = 0.5 * aggregate(
-        torch.maximum(unclipped, clipped), response_mask, loss_agg_mode, normalisers
+        torch.maximum(unclipped, clipped), response_mask, loss_agg_mode, normalisers, norm_length
     )
     frac = (clipped > unclipped).float()
     if normalisers is None:
@@ -499,3 +710,116 @@ def rollout_importance_weights(
         )
     weights = torch.exp(torch.clamp(log_weight, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
     return torch.where(mask > 0, torch.clamp(weights, max=threshold), 0.0)
+
+
+@torch.no_grad()
+def rollout_rejection_mask(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    level: str,
+    upper: float,
+    lower: float | None = None,
+) -> torch.Tensor:
+    """Which tokens to keep when rejecting off-policy ones (verl's `rollout_rs`): those whose
+    importance ratio pi_old / pi_rollout lies in [lower, upper].
+
+    Levels (the ratio compared with the thresholds):
+        "token": each token's own exp(old_t - rollout_t); a token outside is masked out.
+        "sequence": the response's product of token ratios, exp(sum of log-ratios).
+        "geometric": the response's geometric mean, exp(mean of log-ratios) (thresholds
+            close to 1, e.g. 1.001). At both sequence levels a response outside the
+            bounds loses all its tokens.
+    Log-ratios (their sum or mean) are clamped to [-20, 20] before exp, as in verl.
+
+    Args:
+        old_log_prob: (B, L) log-probs recomputed by the trainer before the update.
+        rollout_log_prob: (B, L) log-probs reported by the rollout engine when sampling.
+        response_mask: (B, L).
+        level: one of RS_LEVELS.
+        upper: upper bound on the ratio.
+        lower: lower bound; None: 1 / upper, as in verl.
+
+    Returns:
+        (B, L) float mask, 1 on kept tokens, 0 on rejected ones and on padding; multiply
+        the loss mask by it.
+
+    Raises:
+        ValueError: unknown level (the message lists the valid ones).
+    """
+    mask = response_mask.to(old_log_prob.dtype)
+    log_ratio = old_log_prob - rollout_log_prob
+    if level == "token":
+        statistic = log_ratio
+    elif level == "sequence":
+        statistic = masked_sum(log_ratio, mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)
+    elif level == "geometric":
+        statistic = masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)
+    else:
+        raise ValueError(
+            f"unknown rejection-sampling level {level!r}; valid levels: {', '.join(RS_LEVELS)}"
+        )
+    ratio = torch.exp(torch.clamp(statistic, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
+    low = 1.0 / upper if lower is None else lower
+    keep = (ratio >= low) & (ratio <= upper) & (mask > 0)
+    return keep.to(old_log_prob.dtype)
+
+
+def rejection_counts(keep: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(4,) float64: tokens rejected, response tokens, responses with a rejected token and
+    responses, of a `rollout_rejection_mask` over (B, L); sum them over every trainer rank
+    for the fractions masked out of the whole batch."""
+    mask = response_mask.double()
+    rejected = mask * (1 - keep.double())
+    responses = mask.sum(dim=-1) > 0
+    return torch.stack(
+        [
+            rejected.sum(),
+            mask.sum(),
+            ((rejected.sum(dim=-1) > 0) & responses).sum().double(),
+            responses.sum().double(),
+        ]
+    )
+
+
+def has_reward_variance(metric: torch.Tensor) -> torch.Tensor:
+    """Which groups dynamic sampling keeps (DAPO, https://arxiv.org/abs/2503.14476; verl's
+    `filter_groups`): those whose responses do not all score the same.
+
+    Args:
+        metric: (G, n) the filtered metric of each response (its reward).
+
+    Returns:
+        (G,) bool: True where the group has two different values, or a single response.
+        A group of equal values has GRPO advantage 0 everywhere: no learning signal.
+
+    Differs from verl: verl keeps a group when np.std > 0, which a rounding residue of the
+    mean can make true for equal values (std of [0.1, 0.1, 0.1] is 1.4e-17); here equal
+    means equal.
+    """
+    if metric.shape[-1] == 1:
+        return torch.ones(metric.shape[:-1], dtype=torch.bool, device=metric.device)
+    return metric.amax(dim=-1) > metric.amin(dim=-1)
+
+
+def overlong_penalty(
+    lengths: torch.Tensor, max_response_length: int, buffer_len: int, penalty_factor: float
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (verl's `reward_model.overlong_buffer`): 0 up to
+    max_response_length - buffer_len tokens, then falling linearly to -penalty_factor at
+    max_response_length. Added to the reward.
+
+    penalty = min(0, -(length - (max_response_length - buffer_len)) / buffer_len * factor)
+
+    Args:
+        lengths: any shape, e.g. (G, n): response lengths in tokens.
+        max_response_length: the longest a response can be (`rollout.response_length`).
+        buffer_len: tokens before the limit where the penalty ramps in (>= 1).
+        penalty_factor: the penalty at max_response_length, as a positive number.
+
+    Returns:
+        Same shape as `lengths`, float64, each <= 0.
+    """
+    expected = max_response_length - buffer_len
+    exceed = lengths.double() - expected
+    return torch.clamp(-exceed / buffer_len * penalty_factor, max=0.0)

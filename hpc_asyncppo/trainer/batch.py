@@ -11,9 +11,14 @@ from hpc_asyncppo.transport.samples import SampleGroup
 
 
 def collate(
-    groups: list[SampleGroup], advantages: np.ndarray, pad_id: int
+    groups: list[SampleGroup],
+    advantages: np.ndarray,
+    pad_id: int,
+    rewards: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """Flatten groups into B = G * n rows. advantages: (G, n) one scalar per response.
+    """Flatten groups into B = G * n rows. advantages: (G, n) one scalar per response;
+    rewards: (G, n) the rewards to train on (e.g. with the overlong penalty), None: the
+    groups' own.
 
     Returns prompt_ids/prompt_mask (B, P) left-padded, response_ids/response_mask (B, L),
     rollout_log_probs (B, L), rewards (B,), advantages (B,).
@@ -37,7 +42,11 @@ def collate(
         "response_ids": np.concatenate([g.response_ids for g in groups]),
         "response_mask": response_mask,
         "rollout_log_probs": np.concatenate([g.rollout_log_probs for g in groups]),
-        "rewards": np.concatenate([g.rewards for g in groups]),
+        "rewards": (
+            np.concatenate([g.rewards for g in groups])
+            if rewards is None
+            else rewards.reshape(-1).astype(np.float32)
+        ),
         "advantages": advantages.reshape(-1).astype(np.float32),
     }
 

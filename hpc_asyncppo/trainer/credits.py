@@ -47,6 +47,12 @@ class CreditController:
         self.queued -= trained + dropped
         self.trained += trained
 
+    def refund(self, count: int = 1) -> None:
+        """``count`` groups dropped by dynamic sampling give their budget back, so they are
+        refilled before the next sync (which only comes after the step they were meant for):
+        neither trained nor waiting, they no longer hold back the rollout."""
+        self.used = max(0, self.used - count)
+
     def revoke_unused(self, kept: list[int] | None = None) -> None:
         """Rollout ranks dropped their unused credits (a checkpoint); each still generates
         ``kept[rank]`` groups it had started (cut, in the checkpoint), which stay in flight."""

@@ -275,12 +275,16 @@ def old_log_probs_from_training(cfg: Config) -> bool:
     """Whether the old log-probs can come from the training forward itself: with one
     optimizer step per trainer step (one epoch, one mini-batch) every micro-batch's forward
     runs on the weights before the update, so a separate no-grad pass would compute the same
-    numbers; with a value head that pass runs anyway (the old values), so it is kept."""
+    numbers; with a value head that pass runs anyway (the old values), so it is kept, and
+    with rejection sampling the pass decides which tokens count in the loss."""
     return (
         cfg.actor.ppo_epochs == 1
         and cfg.async_training.require_batches == 1
         and not cfg.async_training.use_rollout_log_probs
         and cfg.algorithm.adv_estimator != "gae"
+        # rejection sampling masks tokens out of the loss by their old log-probs: the loss
+        # normalisers of the whole mini-batch must be known before the first micro-batch
+        and cfg.algorithm.rollout_rs == "none"
         and not cfg.actor.recompute_old_log_probs
     )
 
@@ -295,7 +299,8 @@ def reference_quantities(
     policy: Policy, batch: dict[str, torch.Tensor], plans: list[list[np.ndarray]]
 ) -> dict[str, torch.Tensor]:
     """Before any update of the step: old log-probs, ref log-probs, values, advantages,
-    returns and importance weights, each (B, L), computed micro-batch by micro-batch.
+    returns, importance weights and the rejection-sampling mask (``rs_keep``), each (B, L),
+    computed micro-batch by micro-batch.
 
     Old log-probs (and the importance weights made from them) are left out when the
     training forward's own log-probs equal them (``old_log_probs_from_training``): then
@@ -327,24 +332,43 @@ def reference_quantities(
             out["ref_log_probs"][index, :width] = policy.forward(mb, reference=True)[0].float()
     if cfg.async_training.use_rollout_log_probs:
         out["old_log_probs"] = batch["rollout_log_probs"]
-    if cfg.algorithm.adv_estimator == "gae":
+    algo = cfg.algorithm
+    if algo.adv_estimator in ("gae", "reinforce_plus_plus"):  # per token, on every rank
         token_rewards = torch.zeros_like(mask)
         last = (mask.sum(dim=1).long() - 1).clamp(min=0)
         token_rewards[torch.arange(mask.shape[0]), last] = batch["rewards"]
-        raw, out["returns"] = algos.gae_advantages(
-            token_rewards, out["values"], mask, cfg.algorithm.gamma, cfg.algorithm.lam, whiten=False
-        )
+        if algo.adv_estimator == "gae":
+            raw, out["returns"] = algos.gae_advantages(
+                token_rewards, out["values"], mask, algo.gamma, algo.lam, whiten=False
+            )
+        else:
+            raw, _ = algos.reinforce_pp_advantages(token_rewards, mask, algo.gamma, whiten=False)
         # whitened over the whole batch of every trainer rank, as on one rank
         moments = policy.all_reduce(algos.masked_moments(raw, mask))
         out["advantages"] = algos.whiten_with(raw, moments)
+        if algo.adv_estimator == "reinforce_plus_plus":
+            out["advantages"] = out["advantages"] * mask  # as verl: 0 on padding
     else:
         out["advantages"] = algos.token_advantages(batch["advantages"], mask)
-    if cfg.algorithm.rollout_is != "none" and "old_log_probs" in out:
+    if algo.rollout_is != "none" and "old_log_probs" in out:
         out["is_weights"] = algos.rollout_importance_weights(
             out["old_log_probs"], batch["rollout_log_probs"], mask,
-            cfg.algorithm.rollout_is, cfg.algorithm.rollout_is_threshold,
+            algo.rollout_is, algo.rollout_is_threshold,
+        )  # fmt: skip
+    if algo.rollout_rs != "none":  # old_log_probs_from_training() is then False
+        out["rs_keep"] = algos.rollout_rejection_mask(
+            out["old_log_probs"], batch["rollout_log_probs"], mask,
+            algo.rollout_rs, algo.rollout_rs_threshold, algo.rollout_rs_threshold_lower,
         )  # fmt: skip
     return out
+
+
+def loss_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(B, L) the tokens every loss term counts: the response's, less those rejection
+    sampling masked out (``rs_keep``, when present)."""
+    if "rs_keep" in batch:
+        return batch["response_mask"] * batch["rs_keep"]
+    return batch["response_mask"]
 
 
 def micro_batch_loss(
@@ -353,7 +377,9 @@ def micro_batch_loss(
     """This micro-batch's share of the mini-batch's PPO loss (``mb``: batch rows with their
     ``reference_quantities`` merged in), and its shares of the logged statistics."""
     cfg, actor = policy.cfg, policy.cfg.actor
-    m = mb["response_mask"]
+    m = loss_mask(mb)
+    # seq-mean-token-sum-norm's constant: the longest response, not this micro-batch's width
+    norm_length = cfg.rollout.response_length
     log_probs, entropy, values = policy.forward(
         mb, with_entropy=actor.entropy_coeff > 0, with_values=policy.value_head is not None
     )
@@ -364,25 +390,32 @@ def micro_batch_loss(
                 mb["old_log_probs"], mb["rollout_log_probs"], m,
                 cfg.algorithm.rollout_is, cfg.algorithm.rollout_is_threshold,
             )  # fmt: skip
-    loss, pg_stats = algos.policy_loss(
-        log_probs, mb["old_log_probs"], mb["advantages"], m,
-        actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c, actor.loss_agg_mode,
-        is_weights=mb.get("is_weights"), normalisers=normalisers,
-    )  # fmt: skip
+    if actor.policy_loss.loss_mode == "gspo":
+        loss, pg_stats = algos.gspo_policy_loss(
+            log_probs, mb["old_log_probs"], mb["advantages"], m,
+            actor.clip_ratio_low, actor.clip_ratio_high,
+            is_weights=mb.get("is_weights"), normalisers=normalisers,
+        )  # fmt: skip
+    else:
+        loss, pg_stats = algos.policy_loss(
+            log_probs, mb["old_log_probs"], mb["advantages"], m,
+            actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c, actor.loss_agg_mode,
+            is_weights=mb.get("is_weights"), normalisers=normalisers, norm_length=norm_length,
+        )  # fmt: skip
     stats = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in pg_stats.items()}}
     if entropy is not None:
-        ent = algos.aggregate(entropy, m, actor.loss_agg_mode, normalisers)
+        ent = algos.aggregate(entropy, m, actor.loss_agg_mode, normalisers, norm_length)
         loss = loss - actor.entropy_coeff * ent
         stats["actor/entropy"] = ent.detach()
     if "ref_log_probs" in mb:
         kl_tokens = algos.kl_penalty(log_probs, mb["ref_log_probs"], actor.kl_loss_type)
-        kl = algos.aggregate(kl_tokens, m, actor.loss_agg_mode, normalisers)
+        kl = algos.aggregate(kl_tokens, m, actor.loss_agg_mode, normalisers, norm_length)
         loss = loss + actor.kl_loss_coef * kl
         stats["actor/kl_loss"] = kl.detach()
     if values is not None:
         vf_loss, vf_clipfrac = algos.value_loss(
             values, mb["values"], mb["returns"], m,
-            cfg.critic.cliprange_value, actor.loss_agg_mode, normalisers,
+            cfg.critic.cliprange_value, actor.loss_agg_mode, normalisers, norm_length,
         )  # fmt: skip
         loss = loss + cfg.critic.value_coef * vf_loss
         stats["critic/vf_loss"], stats["critic/vf_clipfrac"] = vf_loss.detach(), vf_clipfrac
@@ -397,7 +430,7 @@ def accumulate_gradients(
     policy.optimizer.zero_grad(set_to_none=True)
     rows = np.concatenate(plan) if plan else np.zeros(0, dtype=np.int64)
     index = torch.as_tensor(rows, dtype=torch.long, device=batch["response_mask"].device)
-    counts = policy.all_reduce(algos.loss_normalisers(batch["response_mask"][index]))
+    counts = policy.all_reduce(algos.loss_normalisers(loss_mask(batch)[index]))
     normalisers = (float(counts[0]), float(counts[1]))
     totals: dict[str, torch.Tensor] = {}
     for mb_rows in plan:
@@ -440,4 +473,9 @@ def ppo_update(policy: Policy, batch: dict[str, torch.Tensor]) -> dict[str, floa
     if actor.grad_clip > 0:
         stats["actor/grad_norm"] = grad_norm / updates
     stats["actor/lr"] = policy.schedule.current_lr()
+    if "rs_keep" in merged:
+        counts = algos.rejection_counts(merged["rs_keep"], batch["response_mask"])
+        tokens, total, seqs, responses = policy.all_reduce(counts.cpu()).tolist()
+        stats["rollout_rs/masked_fraction"] = tokens / max(total, 1.0)
+        stats["rollout_rs/seq_masked_fraction"] = seqs / max(responses, 1.0)
     return stats

@@ -3,7 +3,9 @@
 The leader (first trainer rank), top to bottom: broadcast the weights (version 0, or the
 checkpoint's version on resume); then for each step collect ``required_groups`` fresh groups
 (receiving samples and granting credits while it waits; groups older than ``max_staleness``
-versions are dropped and recorded), compute GRPO advantages over whole groups, hand every
+versions are dropped and recorded, and with dynamic sampling groups whose rewards are all
+equal are dropped, recorded and refilled), add the overlong penalty to the rewards, compute
+the group advantages (GRPO, RLOO, REINFORCE++ baseline) over whole groups, hand every
 trainer rank an equal shard, run the PPO update (gradients all-reduced across trainer
 ranks), log, every ``sync_every`` steps broadcast the weights as a new version, and every
 ``checkpoint.save_every`` steps write a checkpoint. A stop signal (Slurm's warning signal,
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import time
 from pathlib import Path
@@ -85,6 +88,9 @@ class TrainerLeader:
         self.unsynced_steps = False  # restored weights trained past their version's broadcast
         self.samples_trained = 0
         self.samples_dropped = 0
+        self.samples_filtered = 0  # of samples_dropped: by dynamic sampling
+        self.step_filtered = 0  # groups dynamic sampling dropped while collecting this step
+        self.step_flat_kept = 0  # zero-variance groups kept: the step's refills were spent
         self.idle_s = 0.0
         self.elapsed_before_s = 0.0  # training time of earlier runs of this job (resume)
         self.last_sync_s = 0.0
@@ -118,14 +124,15 @@ class TrainerLeader:
                 stopped_by = stop_requested()
                 break
             train_start = time.time()
-            batch = collate(groups, self.advantages(groups), self.pad_id)
+            rewards = np.stack([self.trained_rewards(g) for g in groups])
+            batch = collate(groups, self.advantages(groups, rewards), self.pad_id, rewards)
             shards = shard_rows(
                 batch, self.topo.train_ranks, self.cfg.async_training.require_batches
             )
             self.send_shards(shards[1:], {"step": self.step + 1})
             stats = ppo_update(self.policy, to_tensors(shards[0], self.topo.device))
             self.step += 1
-            self.record(groups, stats)
+            self.record(groups, rewards, stats)
             self.timeline.record("train", train_start, time.time(), step=self.step)
             if self.step % self.cfg.sync_every == 0:
                 self.sync_weights(self.version + 1)
@@ -160,12 +167,17 @@ class TrainerLeader:
                 self.receiver.send_control(rank, Control.CREDIT, self.order.take())
 
     def collect_batch(self) -> list[SampleGroup] | None:
-        """The next ``required_groups`` groups within the staleness bound, oldest first; or
-        None if a stop signal came first: the groups taken go back to the front of the
-        queue, so that the checkpoint holds them and nothing of the step is kept."""
+        """The next ``required_groups`` groups within the staleness bound (and, with dynamic
+        sampling, with a learning signal), oldest first; or None if a stop signal came
+        first: every group taken goes back to the front of the queue (those it would have
+        dropped included, to be judged again after a resume), so that the checkpoint holds
+        them and nothing of the step is kept."""
         batch: list[SampleGroup] = []
-        taken: list[np.ndarray] = []  # their encoded forms, to put back on a stop
+        popped: list[np.ndarray] = []  # every group taken, encoded: put back on a stop
+        rejected: list[tuple[SampleGroup, str]] = []  # dropped, recorded once the batch is whole
         waited_since, wall_start = time.monotonic(), time.time()
+        self.step_filtered = self.step_flat_kept = 0
+        refills = self.refills_per_step()
 
         def ready() -> bool:
             if stop_requested():
@@ -174,38 +186,105 @@ class TrainerLeader:
             self.grant()
             while len(self.queue) and len(batch) < self.cfg.required_groups:
                 buf = self.queue.pop()
+                popped.append(buf)
                 group = decode_group(buf)
+                flat = not self.has_signal(group)
+                # A drop leaves the credit count at once (it is no longer queued), so that
+                # its refill can be granted; it is recorded once the batch is whole.
                 if staleness_of(group, self.version) > self.cfg.async_training.max_staleness:
-                    self.drop(group, "stale")
+                    self.credits.consumed(trained=0, dropped=1)
+                    rejected.append((group, "stale"))
+                elif flat and self.step_filtered < refills:
+                    self.credits.consumed(trained=0, dropped=1)
+                    rejected.append((group, "filtered"))
+                    self.credits.refund(1)  # granted again at once: the batch is refilled
+                    self.step_filtered += 1
                 else:
+                    self.step_flat_kept += flat
                     batch.append(group)
-                    taken.append(buf)
             return len(batch) == self.cfg.required_groups
 
         try:
             poll_until(ready, self.cfg.timeouts.sample_wait_s, "samples from the rollout ranks")
         except PeerTimeout as exc:
+            filtered = (
+                f"; {self.step_filtered} groups with equal rewards dropped by dynamic sampling "
+                "(algorithm.filter_groups; max_num_gen_batches bounds them)"
+                if self.step_filtered
+                else ""
+            )
             raise PeerTimeout(
                 f"{exc} (step {self.step + 1}; have {len(batch)}/{self.cfg.required_groups} groups; "
-                f"groups received per rollout rank: {self.receiver.received_from})"
+                f"groups received per rollout rank: {self.receiver.received_from}{filtered})"
             ) from None
+        if self.step_flat_kept:
+            log.warning(
+                "step %d: %d groups with equal rewards trained on, the step's %d refills "
+                "(algorithm.filter_groups.max_num_gen_batches) being spent",
+                self.step + 1,
+                self.step_flat_kept,
+                refills,
+            )
         self.idle_s += time.monotonic() - waited_since
         self.timeline.record("wait", wall_start, time.time(), step=self.step + 1)
         if stop_requested():
-            self.queue.push_front(taken)
+            self.credits.queued += len(rejected)  # back in the queue, with the rest
+            self.queue.push_front(popped)
             return None
+        for group, reason in rejected:
+            self.drop(group, reason, counted=True)
         self.credits.consumed(trained=len(batch), dropped=0)
         return batch
 
-    def advantages(self, groups: list[SampleGroup]) -> np.ndarray:
-        """(G, n) GRPO advantages over whole groups; zeros for GAE (computed on each rank)."""
-        scores = torch.from_numpy(np.stack([g.rewards for g in groups]))
-        if self.cfg.algorithm.adv_estimator == "gae":
-            return np.zeros(scores.shape, dtype=np.float32)
-        norm = (
-            self.cfg.algorithm.adv_estimator == "grpo"
-            and self.cfg.algorithm.norm_adv_by_std_in_grpo
+    def refills_per_step(self) -> float:
+        """Groups dynamic sampling may drop (and have refilled) while collecting one step:
+        0 when it is off; with max_num_gen_batches = m > 0, (m - 1) * required_groups, so
+        that a step takes at most m batches' worth of generated groups (verl's count of
+        generation batches). Differs from verl: past the bound verl raises; here the step
+        trains on the zero-variance groups it gets (their GRPO advantage is 0) and warns."""
+        fg = self.cfg.algorithm.filter_groups
+        if not fg.enable:
+            return 0
+        if fg.max_num_gen_batches == 0:
+            return math.inf
+        return (fg.max_num_gen_batches - 1) * self.cfg.required_groups
+
+    def trained_rewards(self, group: SampleGroup) -> np.ndarray:
+        """(n,) the rewards trained on: the task's plus the overlong penalty, if enabled."""
+        overlong = self.cfg.reward.overlong_buffer
+        if not overlong.enable:
+            return group.rewards
+        penalty = algos.overlong_penalty(
+            torch.from_numpy(np.asarray(group.response_lengths)),
+            self.cfg.rollout.response_length,
+            overlong.len,
+            overlong.penalty_factor,
         )
+        return (group.rewards + penalty.numpy()).astype(group.rewards.dtype)
+
+    def has_signal(self, group: SampleGroup) -> bool:
+        """False for a group dynamic sampling would drop: its metric is equal for all n
+        (acc, score: the task's reward; seq_reward, seq_final_reward: with the overlong
+        penalty, as verl's DAPO reward manager adds it to the sequence reward only)."""
+        fg = self.cfg.algorithm.filter_groups
+        if not fg.enable:
+            return True
+        metric = group.rewards if fg.metric in ("acc", "score") else self.trained_rewards(group)
+        return bool(algos.has_reward_variance(torch.from_numpy(np.asarray(metric))[None])[0])
+
+    def advantages(self, groups: list[SampleGroup], rewards: np.ndarray) -> np.ndarray:
+        """(G, n) advantages over whole groups of ``rewards`` (G, n); zeros for GAE and
+        REINFORCE++ (computed per token on each trainer rank)."""
+        estimator = self.cfg.algorithm.adv_estimator
+        scores = torch.from_numpy(rewards)
+        if estimator in ("gae", "reinforce_plus_plus"):
+            return np.zeros(scores.shape, dtype=np.float32)
+        if estimator == "rloo":
+            return algos.rloo_advantages(scores).numpy()
+        if estimator == "reinforce_plus_plus_baseline":
+            lengths = torch.from_numpy(np.stack([g.response_lengths for g in groups]))
+            return algos.reinforce_pp_baseline_advantages(scores, lengths).numpy()
+        norm = estimator == "grpo" and self.cfg.algorithm.norm_adv_by_std_in_grpo
         return algos.grpo_advantages(scores, norm_by_std=norm).numpy()
 
     def send_shards(self, shards: list[dict[str, np.ndarray]], meta: dict) -> None:
@@ -248,9 +327,12 @@ class TrainerLeader:
     def order_followers(self, meta: dict) -> None:
         self.send_shards([{}] * (self.topo.train_ranks - 1), meta)
 
-    def drop(self, group: SampleGroup, reason: str) -> None:
-        self.credits.consumed(trained=0, dropped=1)
+    def drop(self, group: SampleGroup, reason: str, counted: bool = False) -> None:
+        """Record a group as dropped (``counted``: its credit count already says so)."""
+        if not counted:
+            self.credits.consumed(trained=0, dropped=1)
         self.samples_dropped += group.n
+        self.samples_filtered += group.n if reason == "filtered" else 0
         # Recorded under the step whose batch was being gathered, so that a resume from the
         # checkpoint of the step before drops (and records) it exactly once.
         rows = [self.sample_row(group, j, self.step + 1, reason=reason) for j in range(group.n)]
@@ -271,7 +353,10 @@ class TrainerLeader:
     def elapsed_s(self) -> float:
         return self.elapsed_before_s + time.monotonic() - self.started_at
 
-    def record(self, groups: list[SampleGroup], stats: dict[str, float]) -> None:
+    def record(
+        self, groups: list[SampleGroup], rewards: np.ndarray, stats: dict[str, float]
+    ) -> None:
+        """``rewards``: (G, n) what was trained on (the task's reward is in each row)."""
         rows = [self.sample_row(g, j, self.step) for g in groups for j in range(g.n)]
         self.trained_log.write(rows)
         self.samples_trained += len(rows)
@@ -297,10 +382,25 @@ class TrainerLeader:
                     "sync/time_s": self.last_sync_s,
                     "memory/trainer_state_mb": self.policy.state_bytes() / 2**20,
                     "memory/trainer_peak_mb": peak_memory_mb(self.topo.device),
+                    **self.recipe_metrics(groups, rewards),
                     **stats,
                 }
             ]
         )
+
+    def recipe_metrics(self, groups: list[SampleGroup], rewards: np.ndarray) -> dict:
+        """Dynamic sampling's and the overlong penalty's numbers for this step, when on."""
+        out: dict[str, float] = {}
+        if self.cfg.algorithm.filter_groups.enable:
+            out["filter_groups/filtered_groups"] = self.step_filtered
+            out["filter_groups/zero_variance_kept"] = self.step_flat_kept
+            out["samples/filtered"] = self.samples_filtered
+        if self.cfg.reward.overlong_buffer.enable:
+            task = np.stack([g.rewards for g in groups])
+            out["reward/overlong_penalty_mean"] = float(np.mean(rewards - task))
+            out["reward/overlong_fraction"] = float(np.mean(rewards < task))
+            out["reward/trained_mean"] = float(np.mean(rewards))
+        return out
 
     # --- checkpoints (the protocol: checkpoint/protocol.py) -------------------------------
     def saved_at_this_step(self) -> bool:
@@ -347,6 +447,7 @@ class TrainerLeader:
             "synced_step": self.synced_step,
             "samples_trained": self.samples_trained,
             "samples_dropped": self.samples_dropped,
+            "samples_filtered": self.samples_filtered,
             "groups_trained": self.credits.trained,
             "elapsed_s": self.elapsed_s(),
             "idle_s": self.idle_s,
@@ -414,6 +515,7 @@ class TrainerLeader:
             meta["samples_trained"],
             meta["samples_dropped"],
         )
+        self.samples_filtered = meta.get("samples_filtered", 0)  # absent before the recipes
         self.elapsed_before_s, self.idle_s = meta["elapsed_s"], meta["idle_s"]
         self.credits.resume(trained=meta["groups_trained"], queued=len(self.queue), in_flight=kept)
         self.partial_groups = kept

@@ -1,4 +1,5 @@
-"""Reward functions that misbehave on purpose, for the failure tests.
+"""Reward functions that misbehave on purpose, for the failure tests (and one that gives
+half the prompts no learning signal, for dynamic sampling).
 
 Used as ``data.reward_fn=tests.integration.faults:...`` (importable from the repository root,
 the working directory of the job). Under mpirun the world rank is OMPI_COMM_WORLD_RANK.
@@ -34,4 +35,12 @@ def slow(prompt, response_text: str) -> float:
 def slower(prompt, response_text: str) -> float:
     """The default reward, 20 ms a call: a run of a few steps lasts long enough to preempt."""
     time.sleep(0.02)
+    return _reward(None, prompt, response_text)
+
+
+def flat_on_even_prompts(prompt, response_text: str) -> float:
+    """0 for every response to an even-numbered prompt (a group dynamic sampling drops),
+    the default reward otherwise."""
+    if prompt.index % 2 == 0:
+        return 0.0
     return _reward(None, prompt, response_text)

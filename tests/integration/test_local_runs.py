@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -154,6 +155,61 @@ def test_max_staleness_zero_drops_and_records_stale_samples(tmp_path):
     assert not {r["uid"] for r in trained} & {r["uid"] for r in dropped}
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert metrics[-1]["samples/dropped"] == sum(1 for r in dropped if r["reason"] == "stale")
+
+
+def test_dynamic_sampling_drops_flat_groups_refills_the_batch_and_the_audit_balances(tmp_path):
+    """DAPO's dynamic sampling in a run: every group whose rewards are all equal (all of the
+    even prompts, by this reward) is dropped with reason "filtered" and replaced, each step
+    still trains a full batch, and every sent sample is trained or dropped exactly once."""
+    run_dir = tmp_path / "run"
+    args = [*SMALL, "algorithm.filter_groups.enable=true",
+            "data.reward_fn=tests.integration.faults:flat_on_even_prompts",
+            "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=2"]  # fmt: skip
+    proc = submit(run_dir, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    trained = check_audit(run_dir, sync_every=2, max_staleness=4)
+    assert len(trained) == 6 * 32  # refilled: a full batch every step
+    dropped = read_jsonl(run_dir / "dropped_samples.jsonl")
+    filtered = [r for r in dropped if r["reason"] == "filtered"]
+    assert {r["reason"] for r in dropped} <= {"filtered", "stale", "run_ended"}
+    groups: dict[str, list[float]] = {}
+    for row in filtered:
+        groups.setdefault(row["uid"].rsplit("-r", 1)[0], []).append(row["reward"])
+    assert groups and all(
+        len(set(rewards)) == 1 and len(rewards) == 8 for rewards in groups.values()
+    )
+    # no even prompt trained: each was filtered (or still queued at the end)
+    assert not [r for r in trained if int(r["uid"].split("-")[2][1:]) % 2 == 0]
+    # the audit balances: each sent group is trained or dropped, whole, and exactly once
+    rows = trained + dropped
+    uids = [r["uid"] for r in rows]
+    assert len(uids) == len(set(uids)), "a sample trained or dropped twice"
+    prefixes = collections.Counter(uid.rsplit("-r", 1)[0] for uid in uids)
+    assert set(prefixes) == set(sent_versions(run_dir)) and set(prefixes.values()) == {8}
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert sum(m["filter_groups/filtered_groups"] for m in metrics) == len(groups)
+    assert metrics[-1]["samples/filtered"] == len(filtered)
+    assert all(m["filter_groups/zero_variance_kept"] == 0 for m in metrics)  # no bound set
+    assert all(m["reward/overlong_penalty_mean"] <= 0 for m in metrics)
+
+
+def test_dynamic_sampling_trains_flat_groups_once_max_num_gen_batches_is_spent(tmp_path):
+    """max_num_gen_batches=1: one batch's worth of groups per step and no refills, so the
+    flat groups are trained on (and counted), none dropped."""
+    run_dir = tmp_path / "run"
+    args = [*SMALL, "trainer.total_steps=3", "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.max_num_gen_batches=1",
+            "data.reward_fn=tests.integration.faults:flat_on_even_prompts"]  # fmt: skip
+    proc = submit(run_dir, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    trained = check_audit(run_dir, sync_every=2, max_staleness=4)
+    assert [r for r in trained if int(r["uid"].split("-")[2][1:]) % 2 == 0]
+    assert not [
+        r for r in read_jsonl(run_dir / "dropped_samples.jsonl") if r["reason"] == "filtered"
+    ]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert all(m["filter_groups/filtered_groups"] == 0 for m in metrics)
+    assert sum(m["filter_groups/zero_variance_kept"] for m in metrics) > 0
 
 
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):

@@ -133,7 +133,8 @@ def test_impossible_layouts_are_refused_before_submit(overrides, expected: str) 
 
 
 def test_shipped_qwen_layouts_are_accepted() -> None:
-    for name in ("qwen2.5-0.5b-gsm8k", "qwen2.5-7b-gsm8k"):
+    for name in ("qwen2.5-0.5b-gsm8k", "qwen2.5-7b-gsm8k", "dapo-qwen2.5-7b-gsm8k",
+                 "gspo-qwen2.5-7b-gsm8k"):  # fmt: skip
         cfg = load_config(name)
         for role, c in (("rollout", cfg.slurm.rollout), ("trainer", cfg.slurm.train)):
             tp = cfg.rollout.tensor_parallel_size

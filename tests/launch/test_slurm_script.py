@@ -64,11 +64,15 @@ CASES: dict[str, list[str]] = {
     # The shipped GPU configs as `submit --dry-run --config NAME` prints them.
     "qwen2.5-0.5b-gsm8k": [],
     "qwen2.5-7b-gsm8k": [],
+    "dapo-qwen2.5-7b-gsm8k": [],
+    "gspo-qwen2.5-7b-gsm8k": [],
 }
 CONFIG_OF = {
     "local_cluster": "local-slurm",
     "qwen2.5-0.5b-gsm8k": "qwen2.5-0.5b-gsm8k",
     "qwen2.5-7b-gsm8k": "qwen2.5-7b-gsm8k",
+    "dapo-qwen2.5-7b-gsm8k": "dapo-qwen2.5-7b-gsm8k",
+    "gspo-qwen2.5-7b-gsm8k": "gspo-qwen2.5-7b-gsm8k",
 }
 
 
@@ -79,7 +83,12 @@ def _script(name: str) -> str:
 
 @pytest.mark.parametrize(
     ("name", "rollout_per_task", "train_per_task"),
-    [("qwen2.5-0.5b-gsm8k", 1, 1), ("qwen2.5-7b-gsm8k", 2, 1)],
+    [
+        ("qwen2.5-0.5b-gsm8k", 1, 1),
+        ("qwen2.5-7b-gsm8k", 2, 1),
+        ("dapo-qwen2.5-7b-gsm8k", 2, 1),
+        ("gspo-qwen2.5-7b-gsm8k", 2, 1),
+    ],
 )
 def test_qwen_scripts_give_each_task_its_own_gpus(
     name: str, rollout_per_task: int, train_per_task: int

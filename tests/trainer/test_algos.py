@@ -145,6 +145,8 @@ UNEQUAL_MASK = [[1, 1, 1], [1, 0, 0]]
         ("token-mean", (1 + 2 + 3 + 4) / 4),
         ("seq-mean-token-sum", ((1 + 2 + 3) + 4) / 2),
         ("seq-mean-token-mean", ((1 + 2 + 3) / 3 + 4 / 1) / 2),
+        # divided by the padded width 3, not by each response's own length
+        ("seq-mean-token-sum-norm", ((1 + 2 + 3) + 4) / 2 / 3),
     ],
 )
 def test_agg_loss_modes_on_unequal_lengths(mode, expected):
@@ -157,6 +159,11 @@ def test_agg_loss_leaves_out_fully_masked_responses(mode):
         t([*LOSS, [7.0, 8.0, 9.0]]), t([*UNEQUAL_MASK, [0, 0, 0]]), mode
     )
     close(with_empty_row, algos.agg_loss(t(LOSS), t(UNEQUAL_MASK), mode).item())
+
+
+def test_seq_mean_token_sum_norm_divides_by_the_given_max_length():
+    loss = algos.agg_loss(t(LOSS), t(UNEQUAL_MASK), "seq-mean-token-sum-norm", norm_length=10)
+    close(loss, ((1 + 2 + 3) + 4) / 2 / 10)
 
 
 def test_agg_loss_rejects_unknown_mode_listing_valid_ones():
@@ -253,10 +260,40 @@ REF = [[-1.5, -1.0]]  # logp - ref = [0.5, -1.0]; ref - logp = [-0.5, 1.0]
         ("abs", [[0.5, 1.0]]),
         ("mse", [[0.5 * 0.25, 0.5 * 1.0]]),
         ("low_var_kl", [[math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]]),
+        ("k1", [[0.5, -1.0]]),
+        ("k2", [[0.5 * 0.25, 0.5 * 1.0]]),
+        ("k3", [[math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]]),
+        ("k1+", [[0.5, -1.0]]),
+        ("k2+", [[0.5 * 0.25, 0.5 * 1.0]]),
+        ("k3+", [[math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]]),
+        ("low_var_kl+", [[math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]]),
     ],
 )
 def test_kl_penalty_kinds(kind, expected):
     close(algos.kl_penalty(t(LOGP), t(REF), kind), expected)
+
+
+# d/d logp of each estimator at logp - ref = [0.5, -1.0] (ref - logp = [-0.5, 1.0]):
+#   k1: 1; k2: logp - ref; k3: d/dlogp [exp(ref - logp) - (ref - logp) - 1] = 1 - exp(ref - logp)
+K2_GRAD = [[0.5, -1.0]]
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected_grad"),
+    [
+        ("k1", [[1.0, 1.0]]),
+        ("k2", K2_GRAD),
+        ("k3", [[1 - math.exp(-0.5), 1 - math.exp(1.0)]]),
+        ("k1+", K2_GRAD),
+        ("k2+", K2_GRAD),
+        ("k3+", K2_GRAD),
+        ("abs+", K2_GRAD),
+    ],
+)
+def test_kl_plus_kinds_take_the_gradient_of_k2(kind, expected_grad):
+    logp = t(LOGP).requires_grad_()
+    algos.kl_penalty(logp, t(REF), kind).sum().backward()
+    close(logp.grad, expected_grad)
 
 
 def test_low_var_kl_is_clamped_to_ten():
@@ -266,7 +303,7 @@ def test_low_var_kl_is_clamped_to_ten():
 
 
 def test_kl_penalty_rejects_unknown_kind_listing_valid_ones():
-    with pytest.raises(ValueError, match="kl, abs, mse, low_var_kl"):
+    with pytest.raises(ValueError, match="k1, kl, k2, mse, k3, low_var_kl, abs, k1\\+"):
         algos.kl_penalty(t(LOGP), t(REF), "full")
 
 
@@ -343,6 +380,9 @@ def test_agg_loss_share_by_hand():
     assert algos.agg_loss_share(loss, mask, "seq-mean-token-mean", 6, 3).item() == pytest.approx(
         (2 + 4) / 3
     )
+    assert algos.agg_loss_share(
+        loss, mask, "seq-mean-token-sum-norm", 6, 3, norm_length=4
+    ).item() == pytest.approx((6 + 4) / 3 / 4)
     assert algos.loss_normalisers(mask).tolist() == [4.0, 2.0]
 
 
@@ -356,7 +396,9 @@ def test_shares_of_any_split_add_up_to_the_whole_batch_loss(mode):
     tokens, seqs = algos.loss_normalisers(mask).tolist()
     for cuts in ([10], [5, 5], [1, 2, 3, 4], [3, 3, 3, 1]):
         parts = zip(loss.split(cuts), mask.split(cuts), strict=True)
-        total = sum(algos.agg_loss_share(lp, mp, mode, tokens, seqs) for lp, mp in parts)
+        total = sum(
+            algos.agg_loss_share(lp, mp, mode, tokens, seqs, norm_length=7) for lp, mp in parts
+        )
         assert total.item() == pytest.approx(whole.item(), rel=1e-6), cuts
     # a per-part mean (what the old code did) is not the same number on this batch
     halves = [
@@ -378,3 +420,157 @@ def test_whitening_with_summed_moments_equals_whitening_the_whole():
         [algos.whiten_with(values[:3], moments), algos.whiten_with(values[3:], moments)]
     )
     assert torch.allclose(parts, whole, atol=1e-6)
+
+
+# --- RLOO and REINFORCE++ -------------------------------------------------------------------
+
+
+def test_rloo_subtracts_the_mean_of_the_other_responses():
+    scores = t([[1.0, 2.0, 3.0], [0.0, 0.0, 1.0]])
+    # group 0: 1 - (2+3)/2, 2 - (1+3)/2, 3 - (1+2)/2; group 1: 0 - 1/2, 0 - 1/2, 1 - 0
+    close(algos.rloo_advantages(scores), [[-1.5, 0.0, 1.5], [-0.5, -0.5, 1.0]])
+    close(algos.rloo_advantages(t([[3.0]])), [[3.0]])  # no other response: verl's raw reward
+
+
+def test_reinforce_pp_baseline_whitens_over_tokens_weighted_by_length():
+    scores = t([[1.0, 0.0], [1.0, 1.0]])
+    lengths = t([[2, 1], [1, 2]])
+    # centred by the group mean: [0.5, -0.5], [0, 0]; over the 6 tokens:
+    c = [0.5, -0.5, 0.0, 0.0]
+    w = [2, 1, 1, 2]
+    mu = sum(wi * ci for wi, ci in zip(w, c, strict=True)) / 6  # 1/12
+    var = sum(wi * (ci - mu) ** 2 for wi, ci in zip(w, c, strict=True)) / 5
+    expected = [(ci - mu) / math.sqrt(var + 1e-8) for ci in c]
+    close(algos.reinforce_pp_baseline_advantages(scores, lengths), [expected[:2], expected[2:]])
+    # the same as whitening the (B, L) tiled advantages over the response tokens (verl's way)
+    tiled = t([[0.5, 0.5], [-0.5, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    mask = t([[1, 1], [1, 0], [1, 0], [1, 1]])
+    verl_way = algos.masked_whiten(tiled, mask)[:, 0].reshape(2, 2)
+    close(verl_way, [expected[:2], expected[2:]])
+
+
+def test_reinforce_pp_discounts_returns_and_whitens_them():
+    rewards = t([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    mask = t([[1, 1, 1], [1, 1, 0]])
+    # gamma 0.5: row 0 returns 0.25, 0.5, 1; row 1 (last token at t=1) 1, 2, and 0 on padding
+    advantages, returns = algos.reinforce_pp_advantages(rewards, mask, gamma=0.5)
+    close(returns, [[0.25, 0.5, 1.0], [1.0, 2.0, 0.0]])
+    values = [0.25, 0.5, 1.0, 1.0, 2.0]
+    mean = sum(values) / 5
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / 4 + 1e-8)
+    w = [(v - mean) / std for v in values]
+    close(advantages, [w[:3], [w[3], w[4], 0.0]])
+
+
+def test_reinforce_pp_restarts_the_return_after_a_masked_token():
+    # verl resets the running return after every masked-out position (not a pass-through
+    # like GAE): the return before the masked observation token starts again from 0
+    _, returns = algos.reinforce_pp_advantages(t([[0.0, 0.0, 1.0]]), t([[1, 0, 1]]), 1.0, False)
+    close(returns, [[0.0, 1.0, 1.0]])
+
+
+# --- GSPO -----------------------------------------------------------------------------------
+
+
+def test_gspo_uses_one_geometric_mean_ratio_per_response():
+    log_prob = t([[-1.0, -2.0], [-0.5, 0.0]]).requires_grad_()
+    old = t([[-1.2, -1.9], [-1.0, 0.0]])
+    mask = t([[1, 1], [1, 0]])
+    adv = t([[1.0, 1.0], [1.0, 1.0]])
+    loss, stats = algos.gspo_policy_loss(log_prob, old, adv, mask, 0.2, 0.2)
+    # row 0: log-ratios 0.2, -0.1 -> s = exp(0.05) on both tokens, inside [0.8, 1.2]
+    s0 = math.exp(0.05)
+    # row 1: log-ratio 0.5 -> s = exp(0.5) = 1.65, clipped to 1.2 (A > 0): loss -1.2, no gradient
+    expected = (-s0 + -1.2) / 2  # seq-mean-token-mean of [-s0, -s0] and [-1.2]
+    assert loss.item() == pytest.approx(expected, abs=1e-7)  # verl's +1e-8 in the means
+    loss.backward()
+    # d(-A * s_t)/d logp_t = -s0 on each token of row 0, / 2 tokens / 2 responses
+    close(log_prob.grad, [[-s0 / 4, -s0 / 4], [0.0, 0.0]])
+    assert stats["pg_clipfrac"].item() == pytest.approx(1 / 3)
+    assert stats["pg_clipfrac_lower"].item() == 0.0
+    assert stats["ppo_kl"].item() == pytest.approx(-(0.2 - 0.1 + 0.5) / 3)
+
+
+def test_gspo_has_no_dual_clip_and_ignores_token_level_ratios():
+    # A < 0, mean log-ratio 1.5: s = exp(1.5) = 4.48 -> max(4.48, 1.2 * 1) = 4.48, where
+    # token-level dual-clip PPO would stop at clip_ratio_c = 3
+    log_prob = t([[0.0, 0.0]])
+    old = t([[-1.0, -2.0]])
+    mask = t([[1, 1]])
+    adv = t([[-1.0, -1.0]])
+    loss, _ = algos.gspo_policy_loss(log_prob, old, adv, mask, 0.2, 0.2)
+    assert loss.item() == pytest.approx(math.exp(1.5))
+    ppo, _ = algos.policy_loss(log_prob, old, adv, mask, 0.2, 0.2, 3.0, "seq-mean-token-mean")
+    assert ppo.item() == pytest.approx((math.exp(1.0) + 3.0) / 2)
+
+
+def test_gspo_shares_of_a_split_add_up():
+    g = torch.Generator().manual_seed(2)
+    log_prob, old = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+    adv = torch.randn(6, 1, generator=g).expand(6, 4)
+    mask = (torch.arange(4)[None] < torch.tensor([4, 1, 3, 2, 4, 1])[:, None]).int()
+    whole, _ = algos.gspo_policy_loss(log_prob, old, adv, mask, 0.2, 0.3)
+    norms = tuple(algos.loss_normalisers(mask).tolist())
+    parts = [
+        algos.gspo_policy_loss(log_prob[i:j], old[i:j], adv[i:j], mask[i:j], 0.2, 0.3,
+                               normalisers=norms)[0]
+        for i, j in ((0, 1), (1, 4), (4, 6))
+    ]  # fmt: skip
+    assert sum(parts).item() == pytest.approx(whole.item(), rel=1e-6)
+
+
+# --- rejection sampling, dynamic sampling, overlong penalty -----------------------------------
+
+# old - rollout log-ratios: row 0 ratios 3, 1, 0.4; row 1 ratios 1.5, 1.5 and padding
+RS_OLD = [[math.log(3.0), 0.0, math.log(0.4)], [math.log(1.5), math.log(1.5), 0.0]]
+RS_ROLLOUT = [[0.0, 0.0, 0.0], [0.0, 0.0, math.nan]]
+RS_MASK = [[1, 1, 1], [1, 1, 0]]
+
+
+@pytest.mark.parametrize(
+    ("level", "lower", "expected"),
+    [
+        # bounds [1/2, 2]: 3 and 0.4 fall outside
+        ("token", None, [[0, 1, 0], [1, 1, 0]]),
+        ("token", 0.3, [[0, 1, 1], [1, 1, 0]]),
+        # products: row 0 3 * 1 * 0.4 = 1.2 (kept), row 1 1.5 * 1.5 = 2.25 (rejected)
+        ("sequence", None, [[1, 1, 1], [0, 0, 0]]),
+        # geometric means: row 0 1.2^(1/3) = 1.06, row 1 1.5: both kept
+        ("geometric", None, [[1, 1, 1], [1, 1, 0]]),
+    ],
+)
+def test_rollout_rejection_mask_by_hand(level, lower, expected):
+    keep = algos.rollout_rejection_mask(t(RS_OLD), t(RS_ROLLOUT), t(RS_MASK), level, 2.0, lower)
+    close(keep, expected)
+
+
+def test_rejection_counts_by_hand():
+    keep = algos.rollout_rejection_mask(t(RS_OLD), t(RS_ROLLOUT), t(RS_MASK), "token", 2.0)
+    # 2 of 5 response tokens rejected, both in response 0 (1 of 2 responses)
+    assert algos.rejection_counts(keep, t(RS_MASK)).tolist() == [2.0, 5.0, 1.0, 2.0]
+
+
+def test_geometric_rejection_with_tight_bounds():
+    # bounds [0.95, 1.1]: row 0's 1.06 stays, row 1's 1.5 goes
+    keep = algos.rollout_rejection_mask(
+        t(RS_OLD), t(RS_ROLLOUT), t(RS_MASK), "geometric", 1.1, 0.95
+    )
+    close(keep, [[1, 1, 1], [0, 0, 0]])
+
+
+def test_rollout_rejection_mask_rejects_unknown_level():
+    with pytest.raises(ValueError, match="token, sequence, geometric"):
+        algos.rollout_rejection_mask(t(RS_OLD), t(RS_ROLLOUT), t(RS_MASK), "group", 2.0)
+
+
+def test_groups_with_equal_rewards_have_no_variance():
+    metric = t([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.1, 0.1, 0.1], [0.25, 0.5, 0.25]])
+    assert algos.has_reward_variance(metric).tolist() == [False, True, False, True]
+    assert algos.has_reward_variance(t([[5.0], [2.0]])).tolist() == [True, True]
+
+
+def test_overlong_penalty_ramps_over_the_buffer():
+    # max 10 tokens, buffer 4: free up to 6 tokens, then -1/4 per token down to -1 at 10
+    lengths = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    close(algos.overlong_penalty(lengths, 10, 4, 1.0), [[0.0, 0.0, -0.25], [-0.5, -0.75, -1.0]])
+    close(algos.overlong_penalty(torch.tensor([10, 3]), 10, 4, 0.5), [-0.5, 0.0])

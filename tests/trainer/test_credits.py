@@ -49,3 +49,22 @@ def test_a_group_without_credit_is_a_protocol_error():
     c = CreditController(rollout_ranks=2, max_outstanding=2, total_groups=10)
     with pytest.raises(RuntimeError, match="rollout rank 1 sent a group it had no credit for"):
         c.received(1)
+
+
+def test_filtered_groups_are_refilled_before_the_next_sync():
+    c = CreditController(rollout_ranks=1, max_outstanding=4, total_groups=8)
+    assert c.grant() == [4]
+    for _ in range(4):
+        c.received(0)
+    c.consumed(trained=0, dropped=1)  # a stale drop: its budget is spent until the sync
+    assert c.grant() == [0]
+    c.consumed(trained=0, dropped=2)  # two filtered by dynamic sampling...
+    c.refund(2)
+    assert c.grant() == [2]  # ...are generated again at once
+    for _ in range(2):
+        c.received(0)
+    c.consumed(trained=3, dropped=0)
+    # 5 more groups are due, but the budget is spent until the sync
+    assert c.grant() == [0] and c.used == 4
+    c.synced()
+    assert c.grant() == [4] and c.trained == 3

@@ -16,8 +16,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hpc_asyncppo.checkpoint.store import TreeReader
-from hpc_asyncppo.config import Config
+from hpc_asyncppo.config import Config, PolicyLossConfig
 from hpc_asyncppo.gpu_check import random_batch
+from hpc_asyncppo.trainer import algos
 from hpc_asyncppo.trainer.batch import shard_rows, to_tensors
 from hpc_asyncppo.trainer.model import gather_full
 from hpc_asyncppo.trainer.policy import (
@@ -61,14 +62,47 @@ SPLITS = {
     "2ranks_micro3": (2, {"ppo_micro_batch_size_per_gpu": 3}),
     "2ranks_dynamic": (2, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 20}),
 }
-MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ALGOS = {
     "grpo": {},
     "gae_kl_entropy": {
         "algorithm": {"adv_estimator": "gae"},
         "actor": {"use_kl_loss": True, "entropy_coeff": 0.01},
     },
+    # rejection sampling takes tokens (geometric: whole responses) out of every loss term and
+    # out of the normalisers; the thresholds keep about half of this batch (the tiny model's
+    # old / rollout ratios lie around 0.07-0.2; see test_rejection_sampling_masks_part)
+    "gspo_kl_entropy_geometric_rs": {
+        "algorithm": {
+            "rollout_rs": "geometric",
+            "rollout_rs_threshold": 0.13,
+            "rollout_rs_threshold_lower": 0.09,
+        },
+        "actor": {
+            "policy_loss": PolicyLossConfig(loss_mode="gspo"),
+            "use_kl_loss": True,
+            "kl_loss_type": "k3+",
+            "entropy_coeff": 0.01,
+        },
+    },
+    "reinforce_pp_token_rs": {
+        "algorithm": {
+            "adv_estimator": "reinforce_plus_plus",
+            "gamma": 0.9,
+            "rollout_rs": "token",
+            "rollout_rs_threshold": 0.15,
+            "rollout_rs_threshold_lower": 0.09,
+        },
+    },
 }
+# (mode, algorithm) pairs each split is checked on: every mode with GRPO and GAE, the
+# recipes with the modes whose normalisers they change most
+COMBOS = [(mode, algo) for mode in MODES for algo in ("grpo", "gae_kl_entropy")] + [
+    ("token-mean", "gspo_kl_entropy_geometric_rs"),
+    ("seq-mean-token-sum-norm", "gspo_kl_entropy_geometric_rs"),
+    ("token-mean", "reinforce_pp_token_rs"),
+    ("seq-mean-token-sum", "reinforce_pp_token_rs"),
+]
 
 
 def _gradient_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
@@ -80,20 +114,24 @@ def _gradient_worker(rank: int, world: int, port: int, model_dir: str, out: str)
     for split, (ranks, actor) in SPLITS.items():
         if ranks != world:
             continue
-        for mode in MODES:
-            for algo, sections in ALGOS.items():
-                sections = {k: dict(v) for k, v in sections.items()}
-                sections["actor"] = {**sections.get("actor", {}), **actor, "loss_agg_mode": mode}
-                policy = Policy(make_cfg(Path(model_dir), **sections), CPU)
-                mine = to_tensors(shard_rows(batch, world, 1)[rank], CPU)
-                plans = mini_batch_plans(policy, mine)
-                merged = {**mine, **reference_quantities(policy, mine, plans)}
-                stats = accumulate_gradients(policy, merged, plans[0])
-                grads = full_gradients(policy)
-                loss = policy.all_reduce(stats["actor/pg_loss"].reshape(1).cpu())
-                if rank == 0:
-                    grads["pg_loss"] = loss.numpy()
-                    np.savez(Path(out) / f"{split}-{mode}-{algo}.npz", **grads)
+        for mode, algo in COMBOS:
+            sections = {k: dict(v) for k, v in ALGOS[algo].items()}
+            sections["actor"] = {**sections.get("actor", {}), **actor, "loss_agg_mode": mode}
+            policy = Policy(make_cfg(Path(model_dir), **sections), CPU)
+            mine = to_tensors(shard_rows(batch, world, 1)[rank], CPU)
+            plans = mini_batch_plans(policy, mine)
+            merged = {**mine, **reference_quantities(policy, mine, plans)}
+            stats = accumulate_gradients(policy, merged, plans[0])
+            grads = full_gradients(policy)
+            loss = policy.all_reduce(stats["actor/pg_loss"].reshape(1).cpu())
+            if "rs_keep" in merged:
+                counts = algos.rejection_counts(merged["rs_keep"], mine["response_mask"])
+                kept = policy.all_reduce(counts)
+            if rank == 0:
+                grads["pg_loss"] = loss.numpy()
+                if "rs_keep" in merged:
+                    grads["rs_counts"] = kept.numpy()
+                np.savez(Path(out) / f"{split}-{mode}-{algo}.npz", **grads)
     dist.destroy_process_group()
 
 
@@ -117,8 +155,7 @@ def split_gradients(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
     return out
 
 
-@pytest.mark.parametrize("algo", list(ALGOS))
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("mode", "algo"), COMBOS)
 @pytest.mark.parametrize("split", [s for s in SPLITS if s != "whole"])
 def test_gradients_do_not_depend_on_the_split(split_gradients, split, mode, algo):
     whole = np.load(split_gradients / f"whole-{mode}-{algo}.npz")
@@ -137,6 +174,30 @@ def test_a_per_micro_batch_token_mean_would_have_been_caught(split_gradients):
     b = np.load(split_gradients / "whole-seq-mean-token-mean-grpo.npz")
     name = "lm.model.layers.0.mlp.down_proj.weight"
     assert np.abs(a[name] - b[name]).max() > 1e-3 * np.abs(a[name]).max()
+
+
+def test_the_recipes_change_the_gradients(split_gradients):
+    """The recipes' split tests have teeth: GSPO with rejection sampling and REINFORCE++
+    with it give other gradients than GRPO, and seq-mean-token-sum-norm than its
+    un-normalised mode (a norm_length that followed the split would fail the split test)."""
+    name = "lm.model.layers.0.mlp.down_proj.weight"
+
+    def grad(mode: str, algo: str) -> np.ndarray:
+        return np.load(split_gradients / f"whole-{mode}-{algo}.npz")[name]
+
+    base = grad("token-mean", "grpo")
+    for algo in ("gspo_kl_entropy_geometric_rs", "reinforce_pp_token_rs"):
+        assert np.abs(grad("token-mean", algo) - base).max() > 1e-3 * np.abs(base).max(), algo
+    norm, plain = grad("seq-mean-token-sum-norm", "grpo"), grad("seq-mean-token-sum", "grpo")
+    np.testing.assert_allclose(norm * 6, plain, atol=1e-5 * np.abs(plain).max())  # length 6
+
+
+@pytest.mark.parametrize("algo", ["gspo_kl_entropy_geometric_rs", "reinforce_pp_token_rs"])
+def test_rejection_sampling_masks_part_of_the_batch(split_gradients, algo):
+    tokens, total, seqs, responses = np.load(split_gradients / f"whole-token-mean-{algo}.npz")[
+        "rs_counts"
+    ]
+    assert 0.2 < tokens / total < 0.8 and 0 < seqs < responses
 
 
 def one_rank_policy(model_dir: Path, **sections: dict) -> Policy:
