@@ -19,7 +19,7 @@ import numpy as np
 
 from hpc_asyncppo import timeline as tl
 from hpc_asyncppo.runlog import DROPPED, TRAINED, read_jsonl
-from hpc_asyncppo.status import Checkpoint, RankError, RunStatus, collect
+from hpc_asyncppo.status import Checkpoint, RankError, RunStatus, collect, goodput_lines
 
 REPORT = "report.png"
 SPAN_COLORS = {
@@ -230,6 +230,7 @@ def format_summary(s: Summary, run_dir: Path) -> str:
         )
     if s.checkpoint is not None:
         lines.append(f"  checkpoint  {s.checkpoint.path.name}")
+    lines += goodput_lines(run_dir, indent="  ")  # the timeline of attempts
     for err in s.errors:
         lines.append(f"  {'error' if err.current else 'old error'}   {err.line}")
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from hpc_asyncppo import goodput
 from hpc_asyncppo.launch.rundir import CONFIG, error_line, read_rank_info
 from hpc_asyncppo.runlog import METRICS, read_jsonl
 from hpc_asyncppo.timeline import TIMELINE
@@ -193,6 +194,29 @@ def ago(t: float, now: float | None = None) -> str:
     return f"{s / 3600:.1f} h ago"
 
 
+def goodput_lines(run_dir: Path, indent: str = "") -> list[str]:
+    """Where the wall time went, attempt by attempt (RUN_DIR/goodput.jsonl), if recorded."""
+    rows = goodput.read_attempts(run_dir)
+    if not rows:
+        return []
+    total = goodput.summary(rows)
+    share = f", goodput {total['goodput']:.0%}" if total["goodput"] is not None else ""
+    lines = [
+        f"{indent}goodput     {total['attempts']} attempt(s) in {total['run_wall_s']:.0f}s: "
+        f"requeue waits {total['requeue_wait_s']:.0f}s, work lost {total['lost_s']:.1f}s, "
+        f"{total['tokens_regenerated']} tokens regenerated{share}"
+    ]
+    t0 = rows[0]["start"]
+    for r in rows:
+        end = f"{r['end'] - t0:.0f}s" if r.get("end") is not None else "now"
+        latency = f", stop latency {r['stop_latency_s']:.2f}s" if r.get("stop_latency_s") else ""
+        lines.append(
+            f"{indent}  attempt {r['attempt']}: {r['start'] - t0:.0f}s-{end}, steps "
+            f"{r['resumed_step']}-{r['end_step']}, {r['reason']}{latency}"
+        )
+    return lines
+
+
 def format_status(st: RunStatus) -> str:
     lines = [f"run         {st.run_dir}"]
     roles = [info["role"] for info in st.ranks]
@@ -235,6 +259,7 @@ def format_status(st: RunStatus) -> str:
         lines.append(
             f"samples     {last['samples/total']} trained, {last['samples/dropped']} dropped"
         )
+    lines += goodput_lines(st.run_dir)
     for err in st.errors[-3:]:
         tag = "error      " if err.current else "old error  "
         lines.append(f"{tag} {err.line}")

@@ -117,6 +117,24 @@ def write_part(folder: Path, name: str, tree: dict) -> PartInfo:
     return PartInfo(name, path.stat().st_size, checksum)
 
 
+def write_own_part(folder: Path, name: str, tree: dict) -> dict:
+    """A rank other than the leader writes its part: the report it sends the leader (JSON),
+    with the part's record, or the error in one line if it could not be written (a full
+    disk), so that the leader decides, not this rank's death."""
+    try:
+        return {"part": write_part(folder, name, tree).to_json(), "error": None}
+    except (OSError, CheckpointError) as exc:
+        (folder / name).unlink(missing_ok=True)
+        return {"part": None, "error": " ".join(str(exc).split())}
+
+
+def part_of_report(report: dict, who: str) -> PartInfo:
+    """The part record of a rank's report; CheckpointError naming the rank if it failed."""
+    if report.get("part") is None:
+        raise CheckpointError(f"{who} could not write its checkpoint part: {report.get('error')}")
+    return PartInfo.from_json(report["part"])
+
+
 def commit(folder: Path, parts: list[PartInfo], meta: dict) -> None:
     """Write the manifest last: from this moment the checkpoint exists."""
     names = [p.name for p in parts]
@@ -254,7 +272,7 @@ def _bcast_text(comm: MPI.Intracomm, text: str, root: int) -> str:
     return buf.tobytes().rstrip(b"\0").decode()
 
 
-def _warn(line: str) -> None:
+def warn(line: str) -> None:
     log.warning(line)
     print(f"warning: {line}", file=sys.stderr, flush=True)
 
@@ -292,7 +310,7 @@ def choose_checkpoint(
             return folder
         if rank == leader:
             for line in errors:
-                _warn(f"{line}; trying an older checkpoint")
+                warn(f"{line}; trying an older checkpoint")
     if count[0]:
         raise CheckpointError(
             f"no valid checkpoint in {run_dir / CHECKPOINT_DIR}: all {int(count[0])} failed "

@@ -223,9 +223,9 @@ class Rollouter:
         tree = {"rng": rng_state(), "partial": cut}
         folder = protocol.step_dir(self.run_dir, step)
         with self.timeline.span("checkpoint"):
-            part = protocol.write_part(folder, protocol.rollout_part(self.rank), tree)
+            written = protocol.write_own_part(folder, protocol.rollout_part(self.rank), tree)
         self._waiting_since = None  # writing the part was not waiting for credits
-        meta = {"part": part.to_json(), "groups_sent": self.sender.groups_sent}
+        meta = {**written, "groups_sent": self.sender.groups_sent}
         report = pack_arrays({"unused": unused}, {**meta, "partial_groups": len(cut)})
         self.sender.send_state(report, self.cfg.timeouts.rank_wait_s)
 

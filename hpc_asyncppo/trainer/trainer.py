@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpc_asyncppo import runlog
+from hpc_asyncppo import goodput, runlog
 from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.checkpoint.store import (
     CheckpointError,
@@ -97,10 +97,12 @@ class TrainerLeader:
         self.rollout_idle: dict[int, tuple[float, float]] = {}
         self.partial_groups = [0] * topo.rollout_ranks  # cut groups each rank holds
         self.tokens_regenerated: dict[int, int] = {}  # per rollout rank, cumulative
+        self.checkpoint_time: float | None = None  # when the resumed checkpoint was committed
         if checkpoint is not None:
             self.restore(checkpoint)
         else:
             runlog.truncate_to_step(run_dir, 0)  # a --resume with no checkpoint starts over
+        self.attempt = goodput.Attempt(run_dir, self.step, self.checkpoint_time)
         self.metrics = runlog.MetricsWriter(run_dir)
         self.timeline = Timeline(run_dir, topo.world_rank, "trainer")
         self.trained_log = runlog.JsonlWriter(run_dir / runlog.TRAINED)
@@ -138,9 +140,18 @@ class TrainerLeader:
                 self.sync_weights(self.version + 1)
             if self.cfg.checkpoint.save_every and self.step % self.cfg.checkpoint.save_every == 0:
                 self.checkpoint("periodic")
+        latency = None
         if stopped_by:
             log.warning("%s received: checkpointing at step %d and stopping", stopped_by, self.step)
-            self.checkpoint(f"signal {stopped_by}")
+            try:
+                self.checkpoint(f"signal {stopped_by}")
+            except (CheckpointError, OSError) as exc:
+                # The job still stops as preempted, so that it requeues and resumes from the
+                # checkpoint before this one; the reason, in one line, in the job's log.
+                protocol.warn(
+                    f"the checkpoint at step {self.step} on {stopped_by} failed "
+                    f"({' '.join(str(exc).split())}): the job resumes from the previous one"
+                )
             latency = time.time() - (stop_requested_at() or time.time())
             log.warning("checkpoint/stop_latency_s %.2f (signal to durable checkpoint)", latency)
             marker = {"step": self.step, "signal": stopped_by, "time": time.time(),
@@ -149,6 +160,12 @@ class TrainerLeader:
         elif self.cfg.checkpoint.save_final:
             self.checkpoint("final")
         self.shutdown()
+        self.attempt.end(
+            self.step,
+            f"signal {stopped_by}" if stopped_by else "finished",
+            tokens_regenerated=sum(self.tokens_regenerated.values()),
+            stop_latency_s=latency,
+        )
 
     # --- the steps ----------------------------------------------------------------------
     def receive(self) -> None:
@@ -422,9 +439,14 @@ class TrainerLeader:
         self.receiver.broadcast_control(Control.CHECKPOINT, self.step)
         self.order_followers({"checkpoint": True, "step": self.step})
         try:
-            parts = self.gather_rollout_parts()
-            parts.append(write_trainer_part(folder, self.policy, 0))
-            parts += self.gather_follower_parts()
+            # every rank's report first, so that none waits on a leader that gave up
+            reports = self.gather_rollout_parts()
+            own = protocol.write_own_part(
+                folder, protocol.trainer_part(0), trainer_tree(self.policy)
+            )
+            reports.append(("trainer rank 0", own))
+            reports += self.gather_follower_parts()
+            parts = [protocol.part_of_report(report, who) for who, report in reports]
             leader = {
                 "queue": self.queue.snapshot(),
                 "order": self.order.state_dict(),
@@ -454,9 +476,10 @@ class TrainerLeader:
             "rollout_ranks": self.topo.rollout_ranks,
             "train_ranks": self.topo.train_ranks,
             "reason": reason,
+            "time": time.time(),
         }
 
-    def gather_rollout_parts(self) -> list[protocol.PartInfo]:
+    def gather_rollout_parts(self) -> list[tuple[str, dict]]:
         """Every rollout rank's part record, once every group it sent before it is in the
         queue. Their unused credits are void afterwards (granted anew by the next collect),
         and the prompts they were for go back to the data order, to go out first."""
@@ -477,9 +500,9 @@ class TrainerLeader:
         poll_until(ready, self.cfg.timeouts.rank_wait_s, "rollout ranks' checkpoint parts")
         self.credits.revoke_unused(kept=self.partial_groups)
         self.order.give_back(unused)
-        return [protocol.PartInfo.from_json(reports[r]["part"]) for r in sorted(reports)]
+        return [(f"rollout rank {r}", reports[r]) for r in sorted(reports)]
 
-    def gather_follower_parts(self) -> list[protocol.PartInfo]:
+    def gather_follower_parts(self) -> list[tuple[str, dict]]:
         parts = []
         for follower in range(1, self.topo.train_ranks):
             status = MPI.Status()
@@ -492,7 +515,7 @@ class TrainerLeader:
             )
             buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
             self.topo.local.Recv([buf, MPI.BYTE], source=follower, tag=TAG_FOLLOWER_STATE)
-            parts.append(protocol.PartInfo.from_json(unpack_arrays(buf)[1]["part"]))
+            parts.append((f"trainer rank {follower}", unpack_arrays(buf)[1]))
         return parts
 
     def restore(self, folder: Path) -> None:
@@ -510,6 +533,7 @@ class TrainerLeader:
             for old, count in enumerate(reader.get("partial_groups").tolist()):
                 kept[old % self.topo.rollout_ranks] += count
         self.step, self.version = meta["step"], meta["param_version"]
+        self.checkpoint_time = meta.get("time", (folder / protocol.MANIFEST).stat().st_mtime)
         self.unsynced_steps = meta.get("synced_step", -1) != self.step
         self.samples_trained, self.samples_dropped = (
             meta["samples_trained"],
@@ -575,8 +599,9 @@ def run_follower(
             continue
         if meta["checkpoint"]:
             folder = protocol.step_dir(run_dir, meta["step"])
-            part = write_trainer_part(folder, policy, topo.local_rank)
-            report = pack_arrays({}, {"part": part.to_json()})
+            name = protocol.trainer_part(topo.local_rank)
+            written = protocol.write_own_part(folder, name, trainer_tree(policy))
+            report = pack_arrays({}, written)
             req = topo.local.Isend([report, MPI.BYTE], dest=0, tag=TAG_FOLLOWER_STATE)
             poll_until(req.Test, cfg.timeouts.rank_wait_s, "the trainer leader to take the part")
             continue
@@ -585,10 +610,14 @@ def run_follower(
         timeline.record("train", train_start, time.time(), step=meta["step"])
 
 
+def trainer_tree(policy: Policy) -> dict:
+    """A trainer rank's part: its shards of the model and optimizer, and its RNGs."""
+    return {**policy.shard_tree(), "rng": rng_state()}
+
+
 def write_trainer_part(folder: Path, policy: Policy, rank: int) -> protocol.PartInfo:
-    """Trainer rank ``rank``'s part: its shards of the model and optimizer, and its RNGs."""
-    tree = {**policy.shard_tree(), "rng": rng_state()}
-    return protocol.write_part(folder, protocol.trainer_part(rank), tree)
+    """Trainer rank ``rank``'s part, written (a CheckpointError or OSError if it cannot be)."""
+    return protocol.write_part(folder, protocol.trainer_part(rank), trainer_tree(policy))
 
 
 def restore_trainer_part(folder: Path, policy: Policy, rank: int, ranks: int) -> dict:
@@ -610,7 +639,12 @@ def run_trainer(cfg: Config, topo: Topology, run_dir: Path, checkpoint: Path | N
     torch.manual_seed(cfg.trainer.seed)
     policy = Policy(cfg, topo.device, topo.trainer_group)
     if topo.is_leader:
-        TrainerLeader(cfg, topo, run_dir, policy, checkpoint).run()
+        leader = TrainerLeader(cfg, topo, run_dir, policy, checkpoint)
+        try:
+            leader.run()
+        except BaseException:
+            leader.attempt.end(leader.step, "failed")
+            raise
         return
     if checkpoint is not None:
         restore_trainer_part(checkpoint, policy, topo.local_rank, topo.train_ranks)

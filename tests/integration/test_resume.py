@@ -100,6 +100,15 @@ def test_fully_async_run_interrupted_twice_trains_every_sample_exactly_once(tmp_
     responses = prompts_generated(trained + dropped)
     assert set(responses.values()) == {8}
     assert set(responses) == order_prefix(seed=1, num_prompts=64, count=len(responses))
+    # goodput: three attempts whose times add up to the run's; each stop checkpointed at once
+    attempts = read_jsonl(run_dir / "goodput.jsonl")
+    assert [a["attempt"] for a in attempts] == [0, 1, 2]
+    assert [a["reason"] for a in attempts] == ["signal SIGUSR2"] * 2 + ["finished"]
+    run_wall = attempts[-1]["end"] - attempts[0]["start"]
+    assert abs(sum(a["wall_s"] + a["requeue_wait_s"] for a in attempts) - run_wall) < 1
+    assert [a["resumed_step"] for a in attempts[1:]] == [a["end_step"] for a in attempts[:2]]
+    assert all(a["lost_s"] < 10 for a in attempts)  # only the shutdown after the checkpoint
+    assert all(0 <= a["stop_latency_s"] < 30 for a in attempts[:2])
 
 
 def test_a_run_resumes_on_other_rank_counts_with_the_same_data_order(tmp_path):
