@@ -68,6 +68,9 @@ class RolloutConfig:
     engine: str = "hf"  # hf (transformers generate, CPU or GPU) | vllm
     n: int = 8  # responses sampled per prompt (the GRPO group size)
     response_length: int = 6  # max new tokens per response
+    # Sample past EOS, every response to response_length (vLLM's and verl's name): for
+    # benchmarks that need generations of a known length.
+    ignore_eos: bool = False
     temperature: float = 1.0  # sampling temperature; the trainer's log-probs use the same one
     top_p: float = 1.0  # nucleus sampling mass
     top_k: int = 0  # top-k sampling; 0 disables

@@ -138,7 +138,7 @@ class HFEngine:
             max_new_tokens=max_new,
             min_new_tokens=0,
             pad_token_id=self.pad_id,
-            eos_token_id=self.eos_id,
+            eos_token_id=None if cfg.ignore_eos else self.eos_id,
             output_logits=True,
             return_dict_in_generate=True,
             stopping_criteria=stop,
@@ -191,12 +191,13 @@ class HFEngine:
             new_ids, new_lps = self.sample(contexts, max(budgets))
             for (_, r), ids, lps, budget in zip(rows, new_ids, new_lps, budgets, strict=True):
                 take = ids[:budget]
-                if self.eos_id in take:
+                if self.eos_id in take and not self.cfg.ignore_eos:
                     take = take[: take.index(self.eos_id) + 1]
                 r.tokens += take
                 r.log_probs += lps[: len(take)]
                 r.versions += [self.version] * len(take)
-                r.finished = bool(take and take[-1] == self.eos_id) or len(r.tokens) >= width
+                ended = bool(take) and take[-1] == self.eos_id and not self.cfg.ignore_eos
+                r.finished = ended or len(r.tokens) >= width
         done = [key for key, group in self.groups.items() if group.complete]
         return [(key, self.groups.pop(key).generation(self)) for key in done]
 

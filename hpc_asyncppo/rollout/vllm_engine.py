@@ -149,7 +149,8 @@ class VLLMEngine:
             top_k=rollout.top_k if rollout.top_k > 0 else -1,
             max_tokens=rollout.response_length,
             logprobs=0,  # the sampled token's only
-            stop_token_ids=[self.eos_id],
+            stop_token_ids=[] if rollout.ignore_eos else [self.eos_id],
+            ignore_eos=rollout.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
         )
         self.version = -1
