@@ -48,6 +48,7 @@ from transformers import AutoTokenizer
 
 from hpc_asyncppo.config import ModelConfig, RolloutConfig
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup
+from hpc_asyncppo.runtime.signals import children_ignore_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,12 @@ class VLLMEngine:
             worker_extension_cls=WORKER_EXTENSION,
             weight_transfer_config={"backend": "ipc" if on_gpu else GLOO_BACKEND},
         )
-        self.llm = LLMEngine.from_engine_args(args)
+        # vLLM's processes must outlive a stop signal sent to every process of the job (Slurm
+        # does): they inherit "ignore" for it, and its engine's own SIGTERM handler is
+        # replaced in the worker; this rank shuts them down after its checkpoint.
+        with children_ignore_stop_signals():
+            self.llm = LLMEngine.from_engine_args(args)
+        self.engine_pids = self.llm.collective_rpc("hpc_asyncppo_ignore_stop_signals")
         self.sampling = SamplingParams(
             n=1,  # each response is its own request: partial rollout resumes them one by one
             temperature=rollout.temperature,

@@ -96,3 +96,15 @@ class WorkerExtension:
 
     def hpc_asyncppo_ready(self) -> bool:
         return True
+
+    def hpc_asyncppo_ignore_stop_signals(self) -> int:
+        """In vLLM's engine process (where the worker runs with tensor_parallel_size 1):
+        ignore the stop signals, which Slurm sends every process of the job, vLLM's own
+        SIGTERM handler included (it would shut the engine down under its rank, which shuts
+        it down itself). Returns the process id."""
+        import os
+        import signal
+
+        for sig in (signal.SIGTERM, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_IGN)
+        return os.getpid()
