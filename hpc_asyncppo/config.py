@@ -220,6 +220,7 @@ class CheckpointConfig:
     save_final: bool = (
         True  # also checkpoint when the run ends (so it can be extended with --resume)
     )
+    save_hf_final: bool = False  # at the run's end, export its final checkpoint to RUN_DIR/hf_final
 
 
 @dataclass
@@ -590,6 +591,11 @@ def validate(cfg: Config, rollout_ranks: int = 1, train_ranks: int = 1) -> None:
         )
     if cfg.model.tiny.hidden_size % cfg.model.tiny.num_heads:
         raise ConfigError("model.tiny.hidden_size must be a multiple of model.tiny.num_heads")
+    if cfg.checkpoint.save_hf_final and not cfg.checkpoint.save_final:
+        raise ConfigError(
+            "checkpoint.save_hf_final=true exports the final checkpoint: it needs "
+            "checkpoint.save_final=true"
+        )
     group_baseline = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
     if cfg.algorithm.adv_estimator in group_baseline and cfg.rollout.n < 2:
         raise ConfigError(

@@ -149,6 +149,8 @@ class TrainerLeader:
         elif self.cfg.checkpoint.save_final:
             self.checkpoint("final")
         self.shutdown()
+        if self.cfg.checkpoint.save_hf_final and not stopped_by:
+            self.export_final()
 
     # --- the steps ----------------------------------------------------------------------
     def receive(self) -> None:
@@ -529,6 +531,17 @@ class TrainerLeader:
             self.version,
             len(self.queue),
         )
+
+    def export_final(self) -> None:
+        """checkpoint.save_hf_final: the final checkpoint as a Hugging Face folder, in place
+        of an earlier attempt's; after shutdown, so that no other rank waits for it."""
+        from hpc_asyncppo.export import HF_FINAL, export_checkpoint
+
+        start = time.time()
+        out = self.run_dir / HF_FINAL
+        shutil.rmtree(out, ignore_errors=True)
+        export_checkpoint(self.run_dir, out, step=self.step)
+        log.info("exported step %d to %s in %.2fs", self.step, out, time.time() - start)
 
     def shutdown(self) -> None:
         """Stop the rollout ranks, drain what they still send (recorded as dropped), stop followers."""
