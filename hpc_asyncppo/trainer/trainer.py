@@ -8,7 +8,8 @@ equal are dropped, recorded and refilled), add the overlong penalty to the rewar
 the group advantages (GRPO, RLOO, REINFORCE++ baseline) over whole groups, hand every
 trainer rank an equal shard, run the PPO update (gradients all-reduced across trainer
 ranks), log, every ``sync_every`` steps broadcast the weights as a new version, and every
-``checkpoint.save_every`` steps write a checkpoint. A stop signal (Slurm's warning signal,
+``checkpoint.save_every`` steps write a checkpoint; every ``trainer.test_freq`` steps it asks
+the rollout ranks to validate the newest weights (``validation.py``). A stop signal (Slurm's warning signal,
 SIGTERM, the launcher's forwarded Ctrl-C) ends the loop at the next step boundary with a
 checkpoint. Followers only receive shards and update (and send their RNG state for a
 checkpoint).
@@ -48,6 +49,7 @@ from hpc_asyncppo.trainer.credits import CreditController
 from hpc_asyncppo.trainer.policy import Policy, peak_memory_mb, ppo_update
 from hpc_asyncppo.trainer.prompts import PromptOrder
 from hpc_asyncppo.trainer.queue import SpillQueue
+from hpc_asyncppo.trainer.validation import ValidationLog
 from hpc_asyncppo.transport.arrays import pack_arrays, unpack_arrays
 from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleReceiver, decode_group
 from hpc_asyncppo.transport.waits import PeerTimeout, poll_until
@@ -102,6 +104,7 @@ class TrainerLeader:
         else:
             runlog.truncate_to_step(run_dir, 0)  # a --resume with no checkpoint starts over
         self.metrics = runlog.MetricsWriter(run_dir)
+        self.validation = ValidationLog(cfg, self.receiver, self.metrics)
         self.timeline = Timeline(run_dir, topo.world_rank, "trainer")
         self.trained_log = runlog.JsonlWriter(run_dir / runlog.TRAINED)
         self.dropped_log = runlog.JsonlWriter(run_dir / runlog.DROPPED)
@@ -113,6 +116,8 @@ class TrainerLeader:
         # A version names one weight set: weights restored from a checkpoint taken between
         # two syncs are not those broadcast as the checkpoint's version, so they go out anew.
         self.sync_weights(self.version + 1 if self.unsynced_steps else self.version)
+        if self.validation.due(self.step, before_train=True):
+            self.validation.request(self.step, self.version)
         self.started_at = time.monotonic()
         stopped_by = None
         while self.step < self.cfg.trainer.total_steps:
@@ -136,6 +141,8 @@ class TrainerLeader:
             self.timeline.record("train", train_start, time.time(), step=self.step)
             if self.step % self.cfg.sync_every == 0:
                 self.sync_weights(self.version + 1)
+            if self.validation.due(self.step):
+                self.validation.request(self.step, self.version)
             if self.cfg.checkpoint.save_every and self.step % self.cfg.checkpoint.save_every == 0:
                 self.checkpoint("periodic")
         if stopped_by:
@@ -161,6 +168,7 @@ class TrainerLeader:
             self.rollout_idle[group.rollout_rank] = (group.rollout_idle_s, group.rollout_elapsed_s)
             self.tokens_regenerated[group.rollout_rank] = group.tokens_regenerated
             self.queue.push(buf)
+        self.validation.poll()
 
     def grant(self) -> None:
         """New credits, each with the next prompt of the data order."""
@@ -550,9 +558,16 @@ class TrainerLeader:
 
         def drained() -> bool:
             self.receive()
-            return self.receiver.all_done()
+            # after a stop signal the rollout ranks abandon their validations
+            validated = self.validation.settled() or stop_requested() is not None
+            return self.receiver.all_done() and validated
 
         poll_until(drained, self.cfg.timeouts.rank_wait_s, "rollout ranks to finish after STOP")
+        if not self.validation.settled():
+            log.warning(
+                "stopped: the validations of steps %s are not logged",
+                sorted(self.validation.waiting),
+            )
         while len(self.queue):
             self.drop(decode_group(self.queue.pop()), "run_ended")
         self.queue.close()
