@@ -11,8 +11,8 @@ ranks), log, every ``sync_every`` steps broadcast the weights as a new version, 
 ``checkpoint.save_every`` steps write a checkpoint; every ``trainer.test_freq`` steps it asks
 the rollout ranks to validate the newest weights (``validation.py``). A stop signal
 (Slurm's warning signal, SIGTERM, the launcher's forwarded Ctrl-C) ends the loop at the
-next step boundary with a checkpoint. Followers only receive shards and update (and send their RNG state for a
-checkpoint).
+next step boundary with a checkpoint. Followers only receive shards and update (and send
+their RNG state for a checkpoint).
 """
 
 from __future__ import annotations
