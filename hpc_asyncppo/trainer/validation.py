@@ -1,7 +1,7 @@
 """The trainer leader's side of validation: when to ask, what to log.
 
 With ``trainer.test_freq`` = N > 0 (and ``data.val``), the leader asks every rollout rank to
-validate (VALIDATE) after step 0 (``trainer.val_before_train``), N, 2N, ...: right after the
+validate (VALIDATE) at step 0 (``trainer.val_before_train``), N, 2N, ...: right after the
 step's weight sync, if it has one, so the rollout ranks validate the weights of the leader's
 version at that step (the newest they have). Training goes on meanwhile; the rollout
 ranks' results come back whenever they are done (``ValidationLog.poll``, called wherever the
@@ -57,9 +57,14 @@ class ValidationLog:
         self.versions: dict[int, int] = {}  # step -> the version asked for
 
     def due(self, step: int, before_train: bool = False) -> bool:
+        """Whether to validate after ``step``; ``before_train``: at the start of the loop, at
+        step 0 (val_before_train) or at a resume's step, again if it is one to validate
+        (its validation may have been lost with the stopped run)."""
         if not self.every:
             return False
-        return self.before_train if before_train else step % self.every == 0
+        if before_train and step == 0:
+            return self.before_train
+        return step % self.every == 0
 
     def request(self, step: int, version: int) -> None:
         """Ask every rollout rank to validate the weights of ``version`` (the newest sent)."""

@@ -113,3 +113,38 @@ def test_progress_report_status_and_tensorboard_show_validation(validated_run):
     assert {"val/pass@1", "val/param_version", "val/short/reward/mean"} <= set(
         acc.Tags()["scalars"]
     )
+
+
+def test_a_stop_signal_with_validations_in_flight_stops_and_the_resume_validates_on(tmp_path):
+    """SIGTERM while validations (every 2 steps, 4 sampled responses each) run beside
+    training: the run stops with its checkpoint without waiting for them; the resumed run
+    validates from its checkpoint's step on and every step is trained once."""
+    from tests.integration.test_resume import interrupt_after
+
+    held_out_prompts(tmp_path / "val.jsonl")
+    run_dir = tmp_path / "run"
+    args = [
+        "--run-dir", str(run_dir), f"data.val={tmp_path / 'val.jsonl'}", "trainer.test_freq=2",
+        "rollout.val_n=4", "rollout.val_temperature=1.0", "trainer.total_steps=24",
+        "actor.ppo_mini_batch_size=4", "timeouts.sample_wait_s=120", "timeouts.rank_wait_s=60",
+    ]  # fmt: skip
+    interrupt_after(run_dir, args, 8)
+    assert (run_dir / "preempted").exists()
+    stopped_at = max(r["step"] for r in split_metrics(read_jsonl(run_dir / "metrics.jsonl"))[0])
+    cmd = [
+        sys.executable,
+        "-m",
+        "hpc_asyncppo.submit",
+        "--cluster",
+        "local",
+        "--resume",
+        str(run_dir),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps, vals = split_metrics(read_jsonl(run_dir / "metrics.jsonl"))
+    assert [r["step"] for r in steps] == list(range(1, 25))
+    assert {r["step"] for r in vals} >= set(range(stopped_at + stopped_at % 2, 25, 2))
+    assert all(r["step"] % 2 == 0 and r["val/prompts"] == VAL_PROMPTS for r in vals)
+    trained = [r["uid"] for r in read_jsonl(run_dir / "trained_samples.jsonl")]
+    assert len(trained) == len(set(trained)) == 24 * 4 * 8

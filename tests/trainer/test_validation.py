@@ -58,3 +58,18 @@ def test_validation_rows_are_apart_from_the_step_rows():
     assert format_validation(vals[1]) == "reward 0.500  pass@1 0.25  at step 2 (v0)"
     both = {**vals[1], "val/x/reward/mean": 0.75, "val/y/reward/mean": 0.25}
     assert "(x 0.750, y 0.250)" in format_validation(both)
+
+
+def test_validation_is_due_every_test_freq_steps_and_before_training():
+    from hpc_asyncppo.config import Config, DataConfig, TrainerConfig
+    from hpc_asyncppo.trainer.validation import ValidationLog
+
+    def due(before: bool, **trainer: object) -> list[int]:
+        cfg = Config(data=DataConfig(val="v.jsonl"), trainer=TrainerConfig(**trainer))
+        log = ValidationLog(cfg, None, None)  # type: ignore[arg-type]
+        return [s for s in range(0, 13) if log.due(s, before_train=before)]
+
+    assert due(False, test_freq=4) == [0, 4, 8, 12]  # after a step: its multiples
+    assert due(True, test_freq=4) == [0, 4, 8, 12]  # at the start: 0, or a resume's step
+    assert due(True, test_freq=4, val_before_train=False) == [4, 8, 12]
+    assert due(False, test_freq=0) == due(True, test_freq=0) == []
