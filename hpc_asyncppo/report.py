@@ -1,6 +1,7 @@
 """A run's report: ``python -m hpc_asyncppo.report RUN_DIR`` writes RUN_DIR/report.png.
 
-Panels: reward over steps and over wall time; throughput; the staleness histogram of
+Panels: reward over steps (with the validation reward, when the run validates) and over
+wall time; throughput; the staleness histogram of
 the samples trained on (and dropped); queue depth; who waited (idle ratios); and a Gantt
 chart of every rank's timeline, for the whole run and zoomed on a few steps in its
 middle, showing where generation and training overlap and where each side waited. A
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from hpc_asyncppo import timeline as tl
-from hpc_asyncppo.runlog import DROPPED, TRAINED, read_jsonl
+from hpc_asyncppo.runlog import DROPPED, TRAINED, format_validation, read_jsonl
 from hpc_asyncppo.status import Checkpoint, RankError, RunStatus, collect, goodput_lines
 
 REPORT = "report.png"
@@ -57,6 +58,7 @@ class Summary:
     wall_s: float | None  # first rank ready (timeline opened) to the last recorded span
     checkpoint: Checkpoint | None
     errors: list[RankError] = field(default_factory=list)
+    validation: list[dict] = field(default_factory=list)  # every validation row, step order
 
 
 @dataclass
@@ -197,6 +199,7 @@ def summarize(data: RunData) -> Summary:
         wall_s=(max(ends) - t0) if ends and t0 is not None else None,
         checkpoint=st.checkpoint,
         errors=st.errors,
+        validation=st.validation,
     )
 
 
@@ -228,6 +231,12 @@ def format_summary(s: Summary, run_dir: Path) -> str:
             f"rollout {_pct(s.rollout_idle_logged)} (timeline {_pct(s.rollout_idle_timeline)}) "
             f"at step {s.idle_step}"
         )
+    if s.validation:
+        first, last = s.validation[0], s.validation[-1]
+        lines.append(f"  validation  {format_validation(first)}")
+        if last is not first:
+            lines.append(f"              -> {format_validation(last)}")
+        lines.append(f"              {len(s.validation)} validations")
     if s.checkpoint is not None:
         lines.append(f"  checkpoint  {s.checkpoint.path.name}")
     lines += goodput_lines(run_dir, indent="  ")  # the timeline of attempts
@@ -317,7 +326,17 @@ def plot(data: RunData, summary: Summary, out: Path) -> None:
     fig.suptitle(title)
 
     ax = fig.add_subplot(grid[0, 0])
-    ax.plot(steps, [r["reward/mean"] for r in rows], lw=1)
+    ax.plot(steps, [r["reward/mean"] for r in rows], lw=1, label="training samples")
+    vals = [r for r in summary.validation if "val/reward/mean" in r]
+    if vals:
+        ax.plot(
+            [r["step"] for r in vals],
+            [r["val/reward/mean"] for r in vals],
+            "o-",
+            ms=4,
+            label="validation (data.val)",
+        )
+        ax.legend(fontsize="small")
     ax.set(title="reward (mean over the step's samples)", xlabel="step")
 
     ax = fig.add_subplot(grid[0, 1])

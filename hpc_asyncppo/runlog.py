@@ -2,7 +2,9 @@
 
 - ``metrics.jsonl``: one JSON object per trainer step (written by the trainer leader),
   each with ``time/unix``, the wall-clock time it was written. A resumed run appends rows
-  from its checkpoint's step on: readers keep the last row of each step.
+  from its checkpoint's step on: readers keep the last row of each step. A validation
+  adds a row of its own for its step, with only ``val/`` keys (``is_validation_row``),
+  written when the rollout ranks' results are in (after later steps' rows, often).
 - ``tensorboard/``: the same metrics as TensorBoard event files, when the ``tensorboard``
   package is installed (nothing is written without it).
 - ``trained_samples.jsonl``: one line per response trained on (uid, step, versions,
@@ -69,6 +71,36 @@ class MetricsWriter:
         self._jsonl.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+def is_validation_row(row: dict[str, Any]) -> bool:
+    """A metrics row of a validation (``val/`` keys), not of a trainer step."""
+    return "val/param_version" in row
+
+
+def format_validation(row: dict[str, Any]) -> str:
+    """One validation row in words: reward, pass@k, each data_source's reward, version."""
+    passes = [k for k in row if k.startswith("val/pass@")]
+    text = f"reward {row.get('val/reward/mean', float('nan')):.3f}"
+    if passes:
+        text += f"  {passes[0][4:]} {row[passes[0]]:.2f}"
+    sources = [
+        k[4 : -len("/reward/mean")]
+        for k in row
+        if k.endswith("/reward/mean") and k != "val/reward/mean"
+    ]
+    if sources:
+        text += " (" + ", ".join(f"{s} {row[f'val/{s}/reward/mean']:.3f}" for s in sources) + ")"
+    return text + f"  at step {row['step']} (v{row['val/param_version']})"
+
+
+def split_metrics(rows: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
+    """(trainer step rows, validation rows), each the last row of each step, in step order."""
+    steps: dict[int, dict] = {}
+    vals: dict[int, dict] = {}
+    for row in rows:
+        (vals if is_validation_row(row) else steps)[row["step"]] = row
+    return [steps[s] for s in sorted(steps)], [vals[s] for s in sorted(vals)]
 
 
 def _tensorboard_writer(log_dir: Path) -> Any:

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from hpc_asyncppo import goodput
 from hpc_asyncppo.launch.rundir import CONFIG, error_line, read_rank_info
-from hpc_asyncppo.runlog import METRICS, read_jsonl
+from hpc_asyncppo.runlog import METRICS, format_validation, read_jsonl, split_metrics
 from hpc_asyncppo.timeline import TIMELINE
 
 CHECKPOINTS = "checkpoints"
@@ -53,6 +53,7 @@ class RunStatus:
     job_state: str | None = None
     checkpoint: Checkpoint | None = None
     errors: list[RankError] = field(default_factory=list)
+    validation: list[dict] = field(default_factory=list)  # validation rows, one per step
 
     @property
     def last(self) -> dict | None:
@@ -62,8 +63,12 @@ class RunStatus:
 def metrics_rows(run_dir: Path) -> list[dict]:
     """metrics.jsonl, one row per step in step order: a resumed run re-runs the steps after
     its checkpoint, and the row its last attempt wrote for a step is the one that counts."""
-    by_step = {row["step"]: row for row in read_jsonl(run_dir / METRICS)}
-    return [by_step[s] for s in sorted(by_step)]
+    return split_metrics(read_jsonl(run_dir / METRICS))[0]
+
+
+def validation_rows(run_dir: Path) -> list[dict]:
+    """The validation rows of metrics.jsonl (``val/`` keys), one per step, in step order."""
+    return split_metrics(read_jsonl(run_dir / METRICS))[1]
 
 
 def attempts_of(run_dir: Path) -> int:
@@ -182,6 +187,7 @@ def collect(run_dir: Path) -> RunStatus:
         job_state=job,
         checkpoint=last_checkpoint(run_dir),
         errors=errors,
+        validation=validation_rows(run_dir),
     )
 
 
@@ -259,6 +265,8 @@ def format_status(st: RunStatus) -> str:
         lines.append(
             f"samples     {last['samples/total']} trained, {last['samples/dropped']} dropped"
         )
+    if st.validation:
+        lines.append(f"validation  {format_validation(st.validation[-1])}")
     lines += goodput_lines(st.run_dir)
     for err in st.errors[-3:]:
         tag = "error      " if err.current else "old error  "

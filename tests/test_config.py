@@ -246,6 +246,13 @@ def test_engine_specific_settings_are_checked(overrides, expected):
             ],
             "each rollout rank has 1 GPU",
         ),  # fmt: skip
+        (["trainer.test_freq=50"], "trainer.test_freq=50 validates on data.val, which is empty"),
+        (
+            ["checkpoint.save_hf_final=true", "checkpoint.save_final=false"],
+            "needs checkpoint.save_final=true",
+        ),
+        (["rollout.val_n=0"], "rollout.val_n=0 must be >= 1"),
+        (["rollout.val_temperature=-1"], "rollout.val_temperature=-1.0 must be >= 0"),
     ],
 )
 def test_combinations_that_cannot_be_right_are_refused(overrides, expected):

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from hpc_asyncppo.config import ConfigError, DataConfig
@@ -72,3 +74,34 @@ def test_unknown_task_and_bad_import_paths_are_config_errors():
         load_task(DataConfig(task="nope"))
     with pytest.raises(ConfigError, match="data.reward_fn='no.such.module:f' cannot be imported"):
         load_task(DataConfig(reward_fn="no.such.module:f"))
+
+
+def test_next_digit_reads_data_train_and_a_held_out_data_val(tmp_path):
+    """The default task takes its prompts from a JSONL file when one is given (how data.val
+    is given), scored by its own reward, each prompt with its data_source."""
+    from hpc_asyncppo.tasks import load_val_task
+    from hpc_asyncppo.tasks.next_digit import generate_prompts, write_prompts
+
+    held = [
+        dataclasses.replace(p, data_source="a" if p.index % 2 else "")
+        for p in generate_prompts(6, seed=5)
+    ]
+    write_prompts(tmp_path / "val.jsonl", held)
+    task = load_val_task(DataConfig(val=str(tmp_path / "val.jsonl")))
+    assert list(task.prompts()) == held
+    answer = held[1].ground_truth
+    assert task.reward(task.prompts()[1], " ".join([answer] * 4)) == 1.0
+    assert load_task(DataConfig(train=str(tmp_path / "val.jsonl"))).prompts() == held
+
+
+def test_a_bad_data_val_is_named(tmp_path):
+    from hpc_asyncppo.tasks import load_val_task
+
+    with pytest.raises(ConfigError, match=r"data.val='nope.jsonl': no such file"):
+        load_val_task(DataConfig(val="nope.jsonl"))
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1 ="}\n')
+    with pytest.raises(DatasetError, match="bad.jsonl:1: field 'ground_truth'"):
+        load_val_task(DataConfig(val=str(tmp_path / "bad.jsonl")))
+    (tmp_path / "ok.jsonl").write_text('{"prompt": "1 =", "ground_truth": "2"}\n')
+    with pytest.raises(ConfigError, match="data.task=jsonl needs data.reward_fn"):
+        load_val_task(DataConfig(task="jsonl", val=str(tmp_path / "ok.jsonl")))

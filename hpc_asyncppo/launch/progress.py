@@ -3,6 +3,8 @@
 On a terminal: a progress bar over the steps with reward, throughput, staleness, queue
 depth and who waits. Otherwise (batch logs, pipes): a plain line every tenth of the run,
 so logs stay readable. A resumed run's earlier rows set the starting point silently.
+Validation rows (``val/`` keys, logged when the rollout ranks' results are in) get a line of
+their own in the plain display, and the latest one sits beside the bar on a terminal.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from hpc_asyncppo.runlog import METRICS
+from hpc_asyncppo.runlog import METRICS, format_validation, is_validation_row
 
 
 def describe(row: dict, total_steps: int) -> str:
@@ -72,6 +74,9 @@ class PlainLines:
             print(describe(row, self.total), file=self.stream, flush=True)
             self.printed_step = row["step"]
 
+    def validation(self, row: dict) -> None:
+        print(f"validation {format_validation(row)}", file=self.stream, flush=True)
+
     def close(self) -> None:
         pass
 
@@ -86,6 +91,7 @@ class Bar:
             total=total_steps, unit="step", file=stream, dynamic_ncols=True, smoothing=0.1
         )
         self.bar.set_postfix_str("waiting for the first step (ranks starting)")
+        self.val = ""
 
     def start(self, last: dict | None) -> None:
         if last is not None:
@@ -94,8 +100,13 @@ class Bar:
 
     def update(self, row: dict) -> None:
         self.bar.n = row["step"]
-        self.bar.set_postfix_str(f"v{row['param_version']}  " + postfix(row), refresh=False)
+        self.bar.set_postfix_str(
+            f"v{row['param_version']}  " + postfix(row) + self.val, refresh=False
+        )
         self.bar.refresh()
+
+    def validation(self, row: dict) -> None:
+        self.val = "  val " + format_validation(row).split("  at step")[0]
 
     def close(self) -> None:
         self.bar.close()
@@ -111,7 +122,7 @@ def follow(
     """Show progress until ``is_running()`` is false; returns the last metrics row seen."""
     stream = sys.stdout if stream is None else stream
     tail = MetricsTail(run_dir / METRICS)
-    history = tail.new_rows()  # a resumed run's earlier rows
+    history = [r for r in tail.new_rows() if not is_validation_row(r)]  # a resumed run's
     last = history[-1] if history else None
     display = Bar(total_steps, stream) if stream.isatty() else PlainLines(total_steps, stream)
     display.start(last)
@@ -119,6 +130,9 @@ def follow(
         while True:
             running = is_running()
             for row in tail.new_rows():
+                if is_validation_row(row):
+                    display.validation(row)
+                    continue
                 display.update(row)
                 last = row
             if not running:

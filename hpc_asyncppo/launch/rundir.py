@@ -63,6 +63,10 @@ def prepare_run_dir(
             f"{run_dir} already holds a run (config.yaml exists); choose another --run-dir"
         )
     task = load_task(cfg.data)  # fails early on a bad dataset or task, before anything is written
+    if cfg.data.val:
+        from hpc_asyncppo.tasks import load_val_task
+
+        load_val_task(cfg.data)
     check_model_path(cfg.model.path)
     with removed_on_failure(run_dir):
         try:

@@ -35,8 +35,11 @@ class RolloutEngine(Protocol):
         """Prompt groups submitted and not yet returned by ``step``."""
         ...
 
-    def submit(self, key: Hashable, prompt: list[int], n: int) -> None:
-        """Queue n responses to ``prompt``; ``step`` returns them under ``key``."""
+    def submit(
+        self, key: Hashable, prompt: list[int], n: int, temperature: float | None = None
+    ) -> None:
+        """Queue n responses to ``prompt`` at ``temperature`` (None: rollout.temperature;
+        0: greedy); ``step`` returns them under ``key``."""
         ...
 
     def resume(self, key: Hashable, partial: PartialGroup) -> None:

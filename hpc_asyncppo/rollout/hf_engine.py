@@ -53,6 +53,7 @@ class _Response:
 class _Group:
     prompt: list[int]
     responses: list[_Response]
+    temperature: float | None = None  # None: rollout.temperature; 0: greedy
 
     @property
     def complete(self) -> bool:
@@ -120,21 +121,29 @@ class HFEngine:
 
     @torch.no_grad()
     def sample(
-        self, contexts: list[list[int]], max_new: int
+        self, contexts: list[list[int]], max_new: int, temperature: float | None = None
     ) -> tuple[list[list[int]], list[list[float]]]:
-        """Sample up to ``max_new`` tokens after each context (one row each), stopping early,
-        with the tokens so far, when ``should_stop()`` turns true; the new tokens of each
-        row and their log-probs, EOS and whatever follows it included."""
+        """Sample up to ``max_new`` tokens after each context (one row each) at
+        ``temperature`` (None: rollout.temperature; 0: greedy, with the log-probs of
+        temperature 1), stopping early, with the tokens so far, when ``should_stop()`` turns
+        true; the new tokens of each row and their log-probs, EOS and whatever follows it
+        included."""
         ids, mask = left_pad(contexts, self.pad_id)
         cfg = self.cfg
+        temperature = cfg.temperature if temperature is None else temperature
+        sampling = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        if temperature > 0:
+            sampling = {
+                "do_sample": True,
+                "temperature": temperature,
+                "top_p": cfg.top_p,
+                "top_k": cfg.top_k or None,
+            }
         stop = StoppingCriteriaList([_Flag(self.should_stop)]) if self.should_stop else None
         out = self.model.generate(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
-            do_sample=True,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k or None,
+            **sampling,
             max_new_tokens=max_new,
             min_new_tokens=0,
             pad_token_id=self.pad_id,
@@ -144,17 +153,19 @@ class HFEngine:
             stopping_criteria=stop,
         )
         responses = out.sequences[:, ids.shape[1] :]
-        logits = torch.stack(out.logits, dim=1).float() / cfg.temperature  # (B, L', V)
+        logits = torch.stack(out.logits, dim=1).float() / (temperature or 1.0)  # (B, L', V)
         log_probs = (
             torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
         )
         return responses.cpu().tolist(), log_probs.cpu().tolist()
 
-    def generate(self, prompts: list[list[int]], n: int) -> list[Generation]:
+    def generate(
+        self, prompts: list[list[int]], n: int, temperature: float | None = None
+    ) -> list[Generation]:
         """Sample n responses for every prompt (token ids), to completion."""
         keys = [("generate", i) for i in range(len(prompts))]
         for key, prompt in zip(keys, prompts, strict=True):
-            self.submit(key, prompt, n)
+            self.submit(key, prompt, n, temperature)
         results: dict[Hashable, Generation] = {}
         while len(results) < len(keys):
             results.update(self.step())
@@ -166,10 +177,12 @@ class HFEngine:
     def in_flight(self) -> int:
         return len(self.groups)
 
-    def submit(self, key: Hashable, prompt: list[int], n: int) -> None:
+    def submit(
+        self, key: Hashable, prompt: list[int], n: int, temperature: float | None = None
+    ) -> None:
         if key in self.groups:
             raise ValueError(f"a prompt group with key {key!r} is already in flight")
-        self.groups[key] = _Group(list(prompt), [_Response() for _ in range(n)])
+        self.groups[key] = _Group(list(prompt), [_Response() for _ in range(n)], temperature)
 
     def resume(self, key: Hashable, partial: PartialGroup) -> None:
         """Continue a group cut earlier (e.g. by a checkpoint before a stop) from its tokens."""
@@ -184,12 +197,15 @@ class HFEngine:
             for r in group.responses
             if not r.finished
         ]
-        if rows:
-            width = self.cfg.response_length
-            contexts = [self.groups[key].prompt + r.tokens for key, r in rows]
-            budgets = [width - len(r.tokens) for _, r in rows]
-            new_ids, new_lps = self.sample(contexts, max(budgets))
-            for (_, r), ids, lps, budget in zip(rows, new_ids, new_lps, budgets, strict=True):
+        width = self.cfg.response_length
+        by_temperature: dict[float | None, list[tuple[Hashable, _Response]]] = {}
+        for key, r in rows:  # one batch per sampling temperature (validation's is its own)
+            by_temperature.setdefault(self.groups[key].temperature, []).append((key, r))
+        for temperature, batch in by_temperature.items():
+            contexts = [self.groups[key].prompt + r.tokens for key, r in batch]
+            budgets = [width - len(r.tokens) for _, r in batch]
+            new_ids, new_lps = self.sample(contexts, max(budgets), temperature)
+            for (_, r), ids, lps, budget in zip(batch, new_ids, new_lps, budgets, strict=True):
                 take = ids[:budget]
                 if self.eos_id in take and not self.cfg.ignore_eos:
                     take = take[: take.index(self.eos_id) + 1]

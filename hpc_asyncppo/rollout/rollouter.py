@@ -8,6 +8,8 @@ finished; wait when there is nothing to do. The leader's credits are the whole f
 staleness control: a rank never generates what it was not granted. Each credit names its
 prompt (a draw of the leader's data order, ``trainer/prompts.py``): the rank keeps no
 place in the data of its own, so a run can resume on any number of rollout ranks.
+Validation groups (VALIDATE, ``validation.py``) share the engine steps and go back to the
+leader apart; they are no part of a checkpoint, and a stop signal abandons them.
 
 A weight sync (SYNC) arrives between two engine steps. Without partial rollout the groups
 in flight finish under the old weights first and are sent; with it they are cut, keep
@@ -38,6 +40,7 @@ from hpc_asyncppo.checkpoint.store import CheckpointReader, rng_state, set_rng_s
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.rollout.engine import make_engine
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup
+from hpc_asyncppo.rollout.validation import Validator
 from hpc_asyncppo.runlog import record_weight_digest, sent_groups_writer, weights_digest
 from hpc_asyncppo.runtime.signals import forget_stop, stop_requested
 from hpc_asyncppo.runtime.topology import Topology
@@ -64,6 +67,7 @@ class Rollouter:
         self.in_flight: dict[tuple[int, int], tuple[int, int, int]] = {}
         self.granted: deque[int] = deque()  # draws (prompts) the leader granted, not started
         self.sender = SampleSender(topo.inter)
+        self.validator = Validator(cfg, self.rank, topo.rollout_ranks, self.engine, self.sender)
         self.weights = WeightReceiver(
             topo.sync_group, src=topo.leader, device=topo.sync_device, target=topo.device
         )
@@ -95,11 +99,13 @@ class Rollouter:
                 continue
             if self.version >= 0:
                 self.start_granted_groups()
-            if not self.in_flight:
+                self.validator.top_up()
+            if not self.in_flight and not self.validator.in_flight:
                 self.wait_a_moment()
                 continue
             self._waiting_since = None
             self.step_and_send()
+        self.finish_validation()  # a validation asked for before STOP reports
         self.engine.interrupt()  # groups still in flight were never counted as sent
         self.engine.close()
         with self.timeline.span("send"):
@@ -115,6 +121,7 @@ class Rollouter:
             if kind == Control.CREDIT:  # value: the draw naming the prompt
                 self.granted.append(value)
             elif kind == Control.SYNC:
+                self.finish_validation()  # every response of a validation has one version
                 if self.cfg.async_training.partial_rollout:
                     self.engine.interrupt()  # in-flight groups resume under the new weights
                 else:
@@ -123,9 +130,17 @@ class Rollouter:
             elif kind == Control.CHECKPOINT:  # value: the step being checkpointed
                 self.engine.interrupt()  # the groups in flight go into the part, cut
                 self.write_checkpoint_part(value)
+            elif kind == Control.VALIDATE:  # value: the trainer step validated
+                self.validator.request(value, self.version)
             elif kind == Control.STOP:
                 return True
         return False
+
+    def finish_validation(self) -> None:
+        """Run the validations asked for to their end; none after a stop signal (the
+        leader knows and does not wait for them)."""
+        if not stop_requested():
+            self.validator.finish(self.step_and_send, stop=lambda: stop_requested() is not None)
 
     def stopping(self) -> bool:
         """After a stop signal: generate nothing more, wait for the leader's checkpoint and
@@ -189,6 +204,9 @@ class Rollouter:
             return
         with self.timeline.span("send"):
             for key, gen in finished:
+                if self.validator.owns(key):
+                    self.validator.finished(key, gen)
+                    continue
                 group = self.sample_group(*self.in_flight.pop(key), gen)
                 self.sender.send(group)
                 self.record_sent(group)
@@ -219,6 +237,7 @@ class Rollouter:
         cut = [
             cut_group_tree(*self.in_flight[key], partial)
             for key, partial in self.engine.unfinished()
+            if not self.validator.owns(key)  # validation is not checkpointed
         ]
         tree = {"rng": rng_state(), "partial": cut}
         folder = protocol.step_dir(self.run_dir, step)

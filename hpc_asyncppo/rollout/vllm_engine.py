@@ -110,6 +110,7 @@ class _Response:
 class _Group:
     prompt: list[int]
     responses: list[_Response]
+    temperature: float | None = None  # None: rollout.temperature; 0: greedy
 
 
 class VLLMEngine:
@@ -185,11 +186,14 @@ class VLLMEngine:
         """Prompt groups submitted and not yet returned by ``step``."""
         return len(self.groups)
 
-    def submit(self, key: Hashable, prompt: list[int], n: int) -> None:
-        """Start sampling n responses to ``prompt``; ``step`` returns them under ``key``."""
+    def submit(
+        self, key: Hashable, prompt: list[int], n: int, temperature: float | None = None
+    ) -> None:
+        """Start sampling n responses to ``prompt`` at ``temperature`` (None:
+        rollout.temperature; 0: greedy); ``step`` returns them under ``key``."""
         if key in self.groups:
             raise ValueError(f"a prompt group with key {key!r} is already in flight")
-        self.groups[key] = _Group(list(prompt), [_Response() for _ in range(n)])
+        self.groups[key] = _Group(list(prompt), [_Response() for _ in range(n)], temperature)
         for j in range(n):
             self._start(key, j)
 
@@ -282,6 +286,8 @@ class VLLMEngine:
         response = group.responses[j]
         params = self.sampling.clone()
         params.max_tokens = self.cfg.response_length - len(response.tokens)
+        if group.temperature is not None:
+            params.temperature = group.temperature
         request_id = f"r{next(self._ids)}"
         self.llm.add_request(
             request_id, TokensPrompt(prompt_token_ids=group.prompt + response.tokens), params

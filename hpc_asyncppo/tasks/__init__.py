@@ -9,6 +9,7 @@ without editing the trainer.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ class Prompt:
     text: str  # what the tokenizer encodes (when there are no chat messages)
     ground_truth: str  # what the reward compares against
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content) chat turns, if any
+    data_source: str = ""  # where the row comes from (verl's data_source): validation's groups
 
 
 def tokenize_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
@@ -95,3 +97,18 @@ def load_task(data: DataConfig) -> Task:
     if data.reward_fn:
         task = _WithReward(task, import_object(data.reward_fn, "data.reward_fn"))  # type: ignore[arg-type]
     return task
+
+
+def load_val_task(data: DataConfig) -> Task:
+    """The task over the held-out prompts of ``data.val`` (read as ``data.train`` is), with
+    the task's own reward. ConfigError or DatasetError naming data.val if it is unusable."""
+    from pathlib import Path
+
+    from hpc_asyncppo.tasks.jsonl import DatasetError
+
+    if not Path(data.val).is_file():
+        raise ConfigError(f"data.val={data.val!r}: no such file")
+    try:
+        return load_task(dataclasses.replace(data, train=data.val))
+    except (ConfigError, DatasetError) as exc:  # the readers name data.train: say which file
+        raise type(exc)(str(exc).replace("data.train=", "data.val=")) from None

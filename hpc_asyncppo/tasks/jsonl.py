@@ -1,4 +1,5 @@
-"""A task read from a JSONL file: one {"prompt": str, "ground_truth": str} object per line.
+"""A task read from a JSONL file: one {"prompt": str, "ground_truth": str} object per line,
+with an optional "data_source" string (validation reports each source on its own).
 
 The reward comes from ``data.reward_fn`` (required for this task). A malformed row is an
 error that names the file, the line and the field.
@@ -33,7 +34,12 @@ def read_jsonl_prompts(path: Path) -> list[Prompt]:
             for field in ("prompt", "ground_truth"):
                 if not isinstance(row.get(field), str):
                     raise DatasetError(f"{path}:{lineno}: field '{field}' missing or not a string")
-            prompts.append(Prompt(len(prompts), row["prompt"], row["ground_truth"]))
+            source = row.get("data_source", "")
+            if not isinstance(source, str):
+                raise DatasetError(f"{path}:{lineno}: field 'data_source' must be a string")
+            prompts.append(
+                Prompt(len(prompts), row["prompt"], row["ground_truth"], data_source=source)
+            )
     if not prompts:
         raise DatasetError(f"{path}: no rows")
     return prompts

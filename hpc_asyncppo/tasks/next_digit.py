@@ -7,32 +7,57 @@ response words that are that digit, so it lies in [0, 1] and gives partial credi
 Why this task: a randomly initialised tiny model scores about 1/15 (one token in its
 15-word vocabulary), the answer depends on the prompt (no constant output wins), and the
 dense per-position reward lets GRPO lift it above 0.8 within ~100 steps on two CPU cores.
+
+The prompts are generated (``data.num_prompts`` of them), or read from ``data.train`` when it
+is set: a JSONL file of {"prompt", "ground_truth"} rows (``tasks/jsonl.py``), which is also
+how a held-out ``data.val`` set is given (``write_prompts`` writes one).
 """
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Sequence
+from pathlib import Path
 
-from hpc_asyncppo.config import DataConfig
+from hpc_asyncppo.config import ConfigError, DataConfig
 from hpc_asyncppo.tasks import Prompt
+from hpc_asyncppo.tasks.jsonl import read_jsonl_prompts
 
 REPEATS = 4
 DIGITS = [str(d) for d in range(10)]
 
 
+def generate_prompts(count: int, seed: int = 1234) -> list[Prompt]:
+    rng = random.Random(seed)
+    prompts = []
+    for index in range(count):
+        digits = [rng.choice(DIGITS) for _ in range(rng.randint(2, 5))]
+        answer = str((int(digits[-1]) + 1) % 10)
+        # "=" ends the prompt: without it "3 9 4" + response "5" would read exactly like
+        # the prompt "3 9 4 5", and no policy could tell which answer is wanted.
+        prompts.append(Prompt(index=index, text=" ".join(digits) + " =", ground_truth=answer))
+    return prompts
+
+
+def write_prompts(path: Path, prompts: list[Prompt]) -> None:
+    """A JSONL dataset of ``prompts`` (with their data_source when set), for data.train/val."""
+    rows = [
+        {"prompt": p.text, "ground_truth": p.ground_truth}
+        | ({"data_source": p.data_source} if p.data_source else {})
+        for p in prompts
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
 class NextDigitTask:
     def __init__(self, data: DataConfig, seed: int = 1234):
-        rng = random.Random(seed)
-        self._prompts = []
-        for index in range(data.num_prompts):
-            digits = [rng.choice(DIGITS) for _ in range(rng.randint(2, 5))]
-            answer = str((int(digits[-1]) + 1) % 10)
-            # "=" ends the prompt: without it "3 9 4" + response "5" would read exactly like
-            # the prompt "3 9 4 5", and no policy could tell which answer is wanted.
-            self._prompts.append(
-                Prompt(index=index, text=" ".join(digits) + " =", ground_truth=answer)
-            )
+        if data.train:
+            if not Path(data.train).is_file():
+                raise ConfigError(f"data.train={data.train!r}: no such file")
+            self._prompts = read_jsonl_prompts(Path(data.train))
+        else:
+            self._prompts = generate_prompts(data.num_prompts, seed)
 
     def prompts(self) -> Sequence[Prompt]:
         return self._prompts

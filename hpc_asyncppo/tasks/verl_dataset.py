@@ -91,10 +91,10 @@ class VerlDatasetTask:
         for i, row in enumerate(_rows(path)):
             prompt, truth, source = parse_row(row, f"{path}: row {i}")
             if isinstance(prompt, str):
-                self._prompts.append(Prompt(i, prompt, truth))
+                self._prompts.append(Prompt(i, prompt, truth, data_source=source))
             else:
                 text = "\n".join(content for _, content in prompt)
-                self._prompts.append(Prompt(i, text, truth, messages=prompt))
+                self._prompts.append(Prompt(i, text, truth, messages=prompt, data_source=source))
             self._sources.append(source)
         if not self._prompts:
             raise DatasetError(f"{path}: no rows")

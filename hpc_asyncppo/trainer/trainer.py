@@ -8,10 +8,11 @@ equal are dropped, recorded and refilled), add the overlong penalty to the rewar
 the group advantages (GRPO, RLOO, REINFORCE++ baseline) over whole groups, hand every
 trainer rank an equal shard, run the PPO update (gradients all-reduced across trainer
 ranks), log, every ``sync_every`` steps broadcast the weights as a new version, and every
-``checkpoint.save_every`` steps write a checkpoint. A stop signal (Slurm's warning signal,
-SIGTERM, the launcher's forwarded Ctrl-C) ends the loop at the next step boundary with a
-checkpoint. Followers only receive shards and update (and send their RNG state for a
-checkpoint).
+``checkpoint.save_every`` steps write a checkpoint; every ``trainer.test_freq`` steps it asks
+the rollout ranks to validate the newest weights (``validation.py``). A stop signal
+(Slurm's warning signal, SIGTERM, the launcher's forwarded Ctrl-C) ends the loop at the
+next step boundary with a checkpoint. Followers only receive shards and update (and send
+their RNG state for a checkpoint).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from hpc_asyncppo.trainer.credits import CreditController
 from hpc_asyncppo.trainer.policy import Policy, peak_memory_mb, ppo_update
 from hpc_asyncppo.trainer.prompts import PromptOrder
 from hpc_asyncppo.trainer.queue import SpillQueue
+from hpc_asyncppo.trainer.validation import ValidationLog
 from hpc_asyncppo.transport.arrays import pack_arrays, unpack_arrays
 from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleReceiver, decode_group
 from hpc_asyncppo.transport.waits import PeerTimeout, poll_until
@@ -104,6 +106,7 @@ class TrainerLeader:
             runlog.truncate_to_step(run_dir, 0)  # a --resume with no checkpoint starts over
         self.attempt = goodput.Attempt(run_dir, self.step, self.checkpoint_time)
         self.metrics = runlog.MetricsWriter(run_dir)
+        self.validation = ValidationLog(cfg, self.receiver, self.metrics)
         self.timeline = Timeline(run_dir, topo.world_rank, "trainer")
         self.trained_log = runlog.JsonlWriter(run_dir / runlog.TRAINED)
         self.dropped_log = runlog.JsonlWriter(run_dir / runlog.DROPPED)
@@ -115,6 +118,8 @@ class TrainerLeader:
         # A version names one weight set: weights restored from a checkpoint taken between
         # two syncs are not those broadcast as the checkpoint's version, so they go out anew.
         self.sync_weights(self.version + 1 if self.unsynced_steps else self.version)
+        if self.validation.due(self.step, before_train=True):
+            self.validation.request(self.step, self.version)
         self.started_at = time.monotonic()
         stopped_by = None
         while self.step < self.cfg.trainer.total_steps:
@@ -138,6 +143,8 @@ class TrainerLeader:
             self.timeline.record("train", train_start, time.time(), step=self.step)
             if self.step % self.cfg.sync_every == 0:
                 self.sync_weights(self.version + 1)
+            if self.validation.due(self.step):
+                self.validation.request(self.step, self.version)
             if self.cfg.checkpoint.save_every and self.step % self.cfg.checkpoint.save_every == 0:
                 self.checkpoint("periodic")
         latency = None
@@ -160,6 +167,8 @@ class TrainerLeader:
         elif self.cfg.checkpoint.save_final:
             self.checkpoint("final")
         self.shutdown()
+        if self.cfg.checkpoint.save_hf_final and not stopped_by:
+            self.export_final()
         self.attempt.end(
             self.step,
             f"signal {stopped_by}" if stopped_by else "finished",
@@ -176,6 +185,7 @@ class TrainerLeader:
             self.rollout_idle[group.rollout_rank] = (group.rollout_idle_s, group.rollout_elapsed_s)
             self.tokens_regenerated[group.rollout_rank] = group.tokens_regenerated
             self.queue.push(buf)
+        self.validation.poll()
 
     def grant(self) -> None:
         """New credits, each with the next prompt of the data order."""
@@ -554,6 +564,17 @@ class TrainerLeader:
             len(self.queue),
         )
 
+    def export_final(self) -> None:
+        """checkpoint.save_hf_final: the final checkpoint as a Hugging Face folder, in place
+        of an earlier attempt's; after shutdown, so that no other rank waits for it."""
+        from hpc_asyncppo.export import HF_FINAL, export_checkpoint
+
+        start = time.time()
+        out = self.run_dir / HF_FINAL
+        shutil.rmtree(out, ignore_errors=True)
+        export_checkpoint(self.run_dir, out, step=self.step)
+        log.info("exported step %d to %s in %.2fs", self.step, out, time.time() - start)
+
     def shutdown(self) -> None:
         """Stop the rollout ranks, drain what they still send (recorded as dropped), stop followers."""
         self.receiver.broadcast_control(Control.STOP)
@@ -561,9 +582,16 @@ class TrainerLeader:
 
         def drained() -> bool:
             self.receive()
-            return self.receiver.all_done()
+            # after a stop signal the rollout ranks abandon their validations
+            validated = self.validation.settled() or stop_requested() is not None
+            return self.receiver.all_done() and validated
 
         poll_until(drained, self.cfg.timeouts.rank_wait_s, "rollout ranks to finish after STOP")
+        if not self.validation.settled():
+            log.warning(
+                "stopped: the validations of steps %s are not logged",
+                sorted(self.validation.waiting),
+            )
         while len(self.queue):
             self.drop(decode_group(self.queue.pop()), "run_ended")
         self.queue.close()

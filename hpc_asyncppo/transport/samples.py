@@ -4,11 +4,13 @@ All traffic runs over the MPI intercommunicator between the rollout side and the
 side. Rollout ranks send each finished prompt group (n responses) to the trainer leader
 (remote rank 0). The leader sends control messages back: CREDIT (one more group a rank
 may start, and its prompt: the flow control, the staleness budget and the data order in
-one), SYNC (weights of a new version follow on the broadcast group), CHECKPOINT, STOP. On
-CHECKPOINT a rollout rank answers with its part's record, the groups sent so far and the
-prompts of its unused credits, which it forgets; after STOP it answers DONE with the
-number of groups it sent. Either count lets the leader drain every group sent before it,
-so nothing is in flight when it acts.
+one), SYNC (weights of a new version follow on the broadcast group), CHECKPOINT, VALIDATE,
+STOP. On VALIDATE a rollout rank scores its share of the held-out prompts and answers with
+one validation message (never a sample group: validation stays out of the queue and the
+credits). On CHECKPOINT a rollout rank answers with its part's record, the groups sent so
+far and the prompts of its unused credits, which it forgets; after STOP it answers DONE
+with the number of groups it sent. Either count lets the leader drain every group sent
+before it, so nothing is in flight when it acts.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from hpc_asyncppo.transport.waits import poll_until
 TAG_SAMPLES = 11
 TAG_CONTROL = 12
 TAG_STATE = 13
+TAG_VALIDATION = 14
 LEADER = 0  # the trainer leader's rank inside the trainer side of the intercommunicator
 
 
@@ -34,6 +37,7 @@ class Control(IntEnum):
     STOP = 3  # no more groups; answer DONE
     DONE = 4  # (rollout -> leader) value: groups sent in total
     CHECKPOINT = 5  # answer with a state message; unused credits are void
+    VALIDATE = 6  # value: the trainer step; answer with a validation message
 
 
 @dataclass
@@ -134,6 +138,12 @@ class SampleSender:
             messages.append((Control(int(msg[0])), int(msg[1])))
         return messages
 
+    def send_validation(self, result: np.ndarray) -> None:
+        """Send one validation result (a ``pack_arrays`` buffer); never blocks."""
+        req = self._inter.Isend([result, MPI.BYTE], dest=LEADER, tag=TAG_VALIDATION)
+        self._pending.append((req, result))
+        self._reap()
+
     def send_state(self, state: np.ndarray, timeout_s: float) -> None:
         """Send this rank's state (a ``pack_arrays`` buffer) after every group sent so far."""
         req = self._inter.Isend([state, MPI.BYTE], dest=LEADER, tag=TAG_STATE)
@@ -183,6 +193,16 @@ class SampleReceiver:
             self._inter.Recv([buf, MPI.BYTE], source=status.Get_source(), tag=TAG_STATE)
             states[status.Get_source()] = buf
         return states
+
+    def poll_validation(self) -> list[tuple[int, np.ndarray]]:
+        """Validation results that have arrived, as (rollout rank, buffer); never blocks."""
+        results = []
+        status = MPI.Status()
+        while self._inter.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_VALIDATION, status=status):
+            buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+            self._inter.Recv([buf, MPI.BYTE], source=status.Get_source(), tag=TAG_VALIDATION)
+            results.append((status.Get_source(), buf))
+        return results
 
     def _poll_done(self) -> None:
         status = MPI.Status()

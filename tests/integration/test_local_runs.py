@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_asyncppo.runlog import read_jsonl
+from hpc_asyncppo.runlog import read_jsonl, split_metrics
 
 pytestmark = pytest.mark.mpi
 REPO = Path(__file__).resolve().parents[2]
@@ -68,7 +68,7 @@ def check_audit(
     that step by its sync schedule (version 0 first, a new one after every ``sync_every``
     steps). Stale-dropped samples must be exactly those beyond ``max_staleness``."""
     sent = sent_versions(run_dir, partial)
-    metrics = {row["step"]: row for row in read_jsonl(run_dir / "metrics.jsonl")}
+    metrics = {row["step"]: row for row in split_metrics(read_jsonl(run_dir / "metrics.jsonl"))[0]}
     for step, row in metrics.items():
         assert row["param_version"] == (step - 1) // sync_every, row
     trained = read_jsonl(run_dir / "trained_samples.jsonl")

@@ -72,3 +72,42 @@ def test_a_bar_on_a_terminal(tmp_path: Path) -> None:
     assert last["step"] == 5
     screen = out.getvalue()
     assert "5/5" in screen and "100%" in screen and "idle trainer 30%" in screen
+
+
+def val_row(step: int) -> dict:
+    return {
+        "step": step,
+        "val/param_version": step // 4,
+        "val/reward/mean": 0.5,
+        "val/pass@1": 0.25,
+    }
+
+
+def appending_rows(path: Path, rows: list[dict]):
+    """is_running() that appends the next of ``rows`` per poll, then returns False."""
+    pending = list(rows)
+
+    def is_running() -> bool:
+        if not pending:
+            return False
+        with path.open("a") as f:
+            f.write(json.dumps(pending.pop(0)) + "\n")
+        return True
+
+    return is_running
+
+
+def test_validation_rows_get_their_own_line_and_sit_beside_the_bar(tmp_path: Path) -> None:
+    """A validation's row comes in late (after later steps'): a line of its own in the plain
+    display, beside the bar on a terminal; the last row returned is a step's."""
+    rows = [row(1), row(2), val_row(0), row(3), row(4), val_row(4), row(5)]
+    out = io.StringIO()
+    last = follow(tmp_path, appending_rows(tmp_path / METRICS, rows), 5, 0.0, stream=out)
+    assert last["step"] == 5
+    lines = out.getvalue().splitlines()
+    assert "validation reward 0.500  pass@1 0.25  at step 0 (v0)" in lines
+    assert "validation reward 0.500  pass@1 0.25  at step 4 (v1)" in lines
+    (tmp_path / METRICS).unlink()
+    terminal = Terminal()
+    follow(tmp_path, appending_rows(tmp_path / METRICS, rows), 5, 0.0, stream=terminal)
+    assert "val reward 0.500  pass@1 0.25" in terminal.getvalue()

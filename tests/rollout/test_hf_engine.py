@@ -84,3 +84,21 @@ def test_mismatched_weights_are_refused(tiny_model_dir):
         assert name in str(exc)
     else:
         raise AssertionError("a wrongly shaped tensor was accepted")
+
+
+def test_greedy_groups_are_the_argmax_and_run_beside_sampled_ones(tiny_model_dir):
+    """Validation's greedy groups (temperature 0) share a step with sampled training groups;
+    every greedy response is the model's argmax continuation."""
+    _, engine, _ = engine_and_policy(tiny_model_dir)
+    prompt = engine.encode("4 7 =")
+    engine.submit("sampled", prompt, 4)
+    engine.submit("greedy", prompt, 3, temperature=0.0)
+    done = dict(engine.step())
+    assert done["sampled"].response_ids.shape == (4, 6)
+    greedy = done["greedy"]
+    assert (greedy.response_ids == greedy.response_ids[0]).all()
+    length = int(greedy.response_lengths[0])
+    response = greedy.response_ids[0, :length].tolist()
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([prompt + response])).logits[0]
+    assert logits[len(prompt) - 1 : len(prompt) - 1 + length].argmax(-1).tolist() == response

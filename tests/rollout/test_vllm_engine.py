@@ -230,3 +230,27 @@ def test_partial_rollout_resumes_cut_generations_under_the_new_weights(
     for gen in gens:
         lengths = gen.response_lengths
         assert gen.versions[np.arange(N), lengths - 1].min() >= gen.versions[:, 0].min()
+
+
+def test_greedy_groups_beside_sampled_ones_match_the_hf_engines_greedy(engine, model_dir):
+    """Validation's greedy groups (temperature 0) run in the same steps as sampled ones;
+    all their responses are the one greedy continuation, the hf engine's too."""
+    from hpc_asyncppo.rollout.hf_engine import HFEngine
+
+    cfg = make_cfg(model_dir, temperature=0.7)
+    policy = Policy(cfg, CPU)
+    engine.load_weights({n: t.clone() for n, t in policy.named_weights()}, version=0)
+    prompts = prompts_for(engine)[:2]
+    for i, prompt in enumerate(prompts):
+        engine.submit(("sampled", i), prompt, N)
+        engine.submit(("greedy", i), prompt, N, temperature=0.0)
+    done: dict = {}
+    while engine.in_flight:
+        done.update(engine.step())
+    hf = HFEngine(cfg.model, cfg.rollout, CPU)
+    expected = hf.generate(prompts, 1, temperature=0.0)
+    for i in range(len(prompts)):
+        greedy = done[("greedy", i)]
+        assert (greedy.response_ids == greedy.response_ids[0]).all()
+        assert greedy.response_ids[0].tolist() == expected[i].response_ids[0].tolist()
+        assert done[("sampled", i)].response_ids.shape == (N, RESPONSE_LENGTH)

@@ -1,0 +1,335 @@
+"""A trained policy as a Hugging Face folder: ``python -m hpc_asyncppo.export RUN_DIR OUT_DIR
+[--step N] [--dtype bf16|fp32|fp16] [--max-shard-mb MB]``.
+
+OUT_DIR gets ``config.json`` (the run's ``model.path`` config, its ``dtype`` set to the
+export's), ``model-0000k-of-0000K.safetensors`` and ``model.safetensors.index.json``, the
+tokenizer files and ``generation_config.json``: ``AutoModelForCausalLM.from_pretrained``
+and vLLM load it as they load the model the run started from. The checkpoint is the one of
+step N, or the newest whose parts are all present (an older one when the newest turns out
+corrupt while it is read). The tensors are the policy's parameters under the HF model's own
+names (a tied LM head is the embedding, saved once, as ``save_pretrained`` does); the value
+head of a GAE run is not part of the model and is left out.
+
+Memory: the tensors are gathered one at a time from the trainer parts (each part's rows of
+it, checksums verified, joined and cast) and written straight into their safetensors shard,
+whose header is laid out beforehand from the shapes in the parts' layout. So the process
+holds at most one tensor at a time: its rows as read (fp32), the joined tensor and its cast
+copy, about 3x the largest tensor's fp32 bytes, never the model.
+
+Everything is written into a temporary folder beside OUT_DIR, fsynced, then renamed to
+OUT_DIR: an export that fails or is interrupted leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hpc_asyncppo.checkpoint import protocol
+from hpc_asyncppo.checkpoint.store import CheckpointError, fsync_dir, fsync_file
+from hpc_asyncppo.config import Config, load_resolved
+from hpc_asyncppo.rollout.generation import DTYPES
+
+log = logging.getLogger(__name__)
+
+HF_FINAL = "hf_final"  # RUN_DIR/hf_final: checkpoint.save_hf_final's export
+INDEX = "model.safetensors.index.json"
+DEFAULT_SHARD_MB = 5000  # transformers' long-standing max_shard_size default ("5GB")
+DTYPE_NAMES = {
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+}
+_SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+class ExportError(RuntimeError):
+    """The export cannot be made from this input; the message is one line naming the fix."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count * dtype.itemsize
+
+
+# --- the plan: which tensors, in which shard -----------------------------------------------
+
+
+def plan_shards(
+    specs: list[TensorSpec], dtype: torch.dtype, max_bytes: int
+) -> list[list[TensorSpec]]:
+    """Tensors in order, cut into shards of at most ``max_bytes`` (a larger tensor alone)."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = spec.nbytes(dtype)
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    return shards
+
+
+def shard_name(index: int, count: int) -> str:
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def safetensors_header(specs: list[TensorSpec], dtype: torch.dtype) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file holding ``specs`` in order
+    (padded with spaces to a multiple of 8, as the safetensors library writes it)."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec in specs:
+        end = offset + spec.nbytes(dtype)
+        header[spec.name] = {
+            "dtype": _SAFETENSORS_DTYPE[dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+# --- finding the checkpoint -----------------------------------------------------------------
+
+
+def run_config(run_dir: Path) -> Config:
+    if not run_dir.is_dir():
+        raise ExportError(f"run directory {run_dir} does not exist; give the RUN_DIR of a run")
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ExportError(
+            f"{run_dir} is not a run directory (no config.yaml); give a run's RUN_DIR"
+        )
+    try:
+        return load_resolved(path)
+    except Exception as exc:  # noqa: BLE001 - omegaconf and yaml raise many types
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ExportError(f"{path} cannot be read ({type(exc).__name__}: {first[:200]})") from None
+
+
+def model_source(cfg: Config, run_dir: Path) -> Path:
+    """The HF folder the run started from (its config and tokenizer); a run directory that
+    was moved still finds its own tiny model in RUN_DIR/model."""
+    path = Path(cfg.model.path)
+    if (path / "config.json").is_file():
+        return path
+    if (run_dir / "model" / "config.json").is_file():
+        return run_dir / "model"
+    raise ExportError(
+        f"the run's model.path={cfg.model.path!r} has no config.json (the export takes the "
+        "model's config and tokenizer from it); restore that folder"
+    )
+
+
+def candidate_checkpoints(run_dir: Path, step: int | None) -> list[Path]:
+    """Step N's checkpoint, or every committed one newest first."""
+    found = [p for p in protocol.list_checkpoints(run_dir) if p.is_dir()]
+    if step is None:
+        if not found:
+            raise ExportError(
+                f"{run_dir} has no checkpoint (checkpoints/step_*/manifest.json); train with "
+                "checkpoint.save_every or checkpoint.save_final=true, or --resume it to write one"
+            )
+        return found
+    folder = protocol.step_dir(run_dir, step)
+    if folder not in found:
+        steps = ", ".join(str(n) for n in sorted(int(p.name[5:]) for p in found)) or "none"
+        raise ExportError(
+            f"{run_dir} has no checkpoint of step {step} (committed steps: {steps}); "
+            "pick one of those with --step, or leave --step out for the newest"
+        )
+    return [folder]
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+
+def parameter_specs(folder: Path, manifest: dict, source: Path) -> list[TensorSpec]:
+    """The checkpoint's model tensors in the HF model's own order, checked against the
+    model built (on the meta device) from ``source``'s config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(source)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}  # tied: once
+    with protocol.ShardedReader(folder, manifest, [0]) as reader:
+        names = reader.keys("model") or []
+        stored = {n: reader.shape(("model", n)) for n in names}
+    missing = sorted(set(expected) - set(stored))
+    extra = sorted(set(stored) - set(expected))
+    if missing or extra:
+        raise ExportError(
+            f"checkpoint {folder} does not hold the parameters of {source}'s model "
+            f"(missing {missing[:3]}, unexpected {extra[:3]}); was model.path changed?"
+        )
+    for name, shape in expected.items():
+        if stored[name] != shape:
+            raise ExportError(
+                f"checkpoint {folder}: {name} has shape {stored[name]}, {source}'s model "
+                f"{shape}; was model.path changed?"
+            )
+    return [TensorSpec(n, s) for n, s in expected.items()]
+
+
+def write_weights(
+    folder: Path, manifest: dict, specs: list[TensorSpec], dtype: torch.dtype, out: Path,
+    max_bytes: int,
+) -> None:  # fmt: skip
+    """Each tensor gathered from the trainer parts and written into its shard, in order."""
+    shards = plan_shards(specs, dtype, max_bytes)
+    parts = [int(n[len("trainer") : -3]) for n in manifest["parts"] if n.startswith("trainer")]
+    weight_map: dict[str, str] = {}
+    total = 0
+    with protocol.ShardedReader(folder, manifest, parts) as reader:
+        for index, shard in enumerate(shards):
+            name = shard_name(index, len(shards))
+            path = out / name
+            with path.open("wb") as f:
+                f.write(safetensors_header(shard, dtype))
+                for spec in shard:
+                    if spec.shape:
+                        tensor = reader.rows(("model", spec.name), slice(0, spec.shape[0]))
+                    else:  # a scalar is whole in every part
+                        tensor = reader.get("model", spec.name)
+                    tensor = tensor.reshape(-1).to(dtype).contiguous()
+                    f.write(tensor.view(torch.uint8).numpy())
+                    weight_map[spec.name] = name
+                    total += spec.nbytes(dtype)
+                    del tensor
+            fsync_file(path)
+    index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX).write_text(json.dumps(index_json, indent=2) + "\n")
+
+
+def write_metadata(source: Path, dtype: torch.dtype, out: Path) -> None:
+    """config.json (with the export's dtype), generation_config.json, the tokenizer files."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    config = AutoConfig.from_pretrained(source)
+    config.dtype = dtype
+    config.save_pretrained(out)
+    try:
+        generation = GenerationConfig.from_pretrained(source)
+    except OSError:  # the folder has none: the defaults from the model's config
+        generation = GenerationConfig.from_model_config(config)
+    generation.save_pretrained(out)
+    AutoTokenizer.from_pretrained(source).save_pretrained(out)
+
+
+def export_checkpoint(
+    run_dir: str | Path,
+    out_dir: str | Path,
+    step: int | None = None,
+    dtype: str | None = None,
+    max_shard_mb: float = DEFAULT_SHARD_MB,
+) -> Path:
+    """Write the policy at checkpoint ``step`` (None: the newest valid) of ``run_dir`` to
+    ``out_dir`` as a Hugging Face folder in ``dtype`` (None: the run's model.dtype).
+    Returns the checkpoint folder used. ExportError (one line) on bad input."""
+    run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir).resolve()
+    cfg = run_config(run_dir)
+    name = DTYPE_NAMES.get(dtype or cfg.model.dtype)
+    if name is None:
+        raise ExportError(f"--dtype {dtype!r} is not one of: {', '.join(DTYPE_NAMES)}")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ExportError(
+            f"{out_dir} already exists and is not an empty folder; give a new OUT_DIR "
+            "(or remove that one)"
+        )
+    source = model_source(cfg, run_dir)
+    candidates = candidate_checkpoints(run_dir, step)
+    for i, folder in enumerate(candidates):
+        try:
+            write_folder(folder, source, DTYPES[name], out_dir, int(max_shard_mb * 2**20))
+            return folder
+        except CheckpointError as exc:
+            if i + 1 == len(candidates):
+                hint = "" if step is not None else "; export an older checkpoint with --step"
+                raise ExportError(f"{exc}{hint}") from None
+            log.warning("%s; trying an older checkpoint", exc)
+            print(f"warning: {exc}; trying an older checkpoint", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+def write_folder(folder: Path, source: Path, dtype: torch.dtype, out: Path, max_bytes: int) -> None:
+    """The whole export of checkpoint ``folder`` into a temporary folder, renamed to ``out``."""
+    manifest = protocol.check_manifest(folder)
+    specs = parameter_specs(folder, manifest, source)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        write_weights(folder, manifest, specs, dtype, tmp, max_bytes)
+        write_metadata(source, dtype, tmp)
+        for path in tmp.iterdir():
+            fsync_file(path)
+        fsync_dir(tmp)
+        if out.exists():
+            out.rmdir()  # empty (checked first): rename cannot replace a folder otherwise
+        os.replace(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported %s to %s (%s)", folder, out, dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hpc_asyncppo.export",
+        description="Write the policy of a run's checkpoint as a Hugging Face model folder.",
+    )
+    parser.add_argument("run_dir", type=Path, help="the run directory (RUN_DIR)")
+    parser.add_argument("out_dir", type=Path, help="a new (or empty) folder to write")
+    parser.add_argument(
+        "--step", type=int, default=None, help="checkpoint step (default: newest valid)"
+    )
+    parser.add_argument(
+        "--dtype", default=None, choices=sorted(DTYPE_NAMES), help="default: the run's model.dtype"
+    )
+    parser.add_argument(
+        "--max-shard-mb", type=float, default=DEFAULT_SHARD_MB, help="largest safetensors file"
+    )
+    args = parser.parse_args(argv)
+    if args.max_shard_mb <= 0:
+        parser.error(f"--max-shard-mb={args.max_shard_mb} must be > 0")
+    try:
+        folder = export_checkpoint(
+            args.run_dir, args.out_dir, args.step, args.dtype, args.max_shard_mb
+        )
+    except (ExportError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    print(f"exported {folder} to {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

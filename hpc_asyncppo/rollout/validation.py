@@ -1,0 +1,170 @@
+"""A rollout rank's part of validation: its share of the ``data.val`` prompts, generated and
+scored with the weights it holds, the per-prompt rewards sent to the trainer leader.
+
+The leader asks (VALIDATE, with the step) right after the weights it wants validated have
+reached the rollout ranks. Rollout rank r of R takes the val prompts r, r + R, ... and
+generates ``rollout.val_n`` responses to each at ``rollout.val_temperature`` (0: greedy),
+through the same engine as the training groups and between its steps, at most
+``rollout.prompts_per_generate`` val groups in flight beside them. The responses are scored
+with the task's reward and sent as one small message (``result_message``): they never
+reach the sample sender, the credits or the sent-groups record, so the trainer's queue and
+its staleness audit know nothing of them.
+
+Every response of one validation comes from one weights version: a weight sync (or the
+stop) that arrives while a validation is under way waits for it to end (``finish``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hpc_asyncppo.config import Config
+from hpc_asyncppo.rollout.engine import RolloutEngine
+from hpc_asyncppo.rollout.generation import Generation
+from hpc_asyncppo.tasks import Prompt, load_val_task, tokenize_prompt
+from hpc_asyncppo.transport.arrays import pack_arrays
+from hpc_asyncppo.transport.samples import SampleSender
+
+log = logging.getLogger(__name__)
+VAL_KEY = "val"  # engine keys of val groups: ("val", job id, position in this rank's share)
+
+
+@dataclass
+class ValidationJob:
+    id: int
+    step: int
+    version: int
+    pending: deque[int]  # positions in the share not yet submitted
+    rewards: dict[int, np.ndarray] = field(default_factory=dict)  # position -> (val_n,)
+    in_flight: int = 0
+
+    @property
+    def done(self) -> bool:
+        return not self.pending and self.in_flight == 0
+
+
+def result_message(
+    step: int,
+    version: int,
+    rank: int,
+    prompts: list[Prompt],
+    rewards: np.ndarray,
+    skipped: int,
+) -> np.ndarray:
+    """One rank's validation result: ``rewards`` (P, val_n) of its ``prompts`` in order, their
+    indices in data.val and their data_source (as indices into ``meta["sources"]``)."""
+    sources = sorted({p.data_source for p in prompts})
+    arrays = {
+        "rewards": rewards.astype(np.float32).reshape(len(prompts), -1),
+        "prompt_index": np.array([p.index for p in prompts], dtype=np.int32),
+        "source": np.array([sources.index(p.data_source) for p in prompts], dtype=np.int32),
+    }
+    meta = {"step": step, "version": version, "rank": rank, "sources": sources, "skipped": skipped}
+    return pack_arrays(arrays, meta)
+
+
+class Validator:
+    """This rank's val prompts (tokenized once) and the validations asked for, oldest first."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        rank: int,
+        ranks: int,
+        engine: RolloutEngine,
+        sender: SampleSender,
+    ):
+        self.cfg, self.rank, self.engine, self.sender = cfg, rank, engine, sender
+        self.jobs: deque[ValidationJob] = deque()
+        self.requested = 0
+        self.prompts: list[Prompt] = []
+        self.ids: list[list[int]] = []
+        self.skipped = 0  # prompts of this share longer than data.max_prompt_length
+        if not cfg.data.val:
+            return
+        self.task = load_val_task(cfg.data)
+        for prompt in list(self.task.prompts())[rank::ranks]:
+            ids = tokenize_prompt(engine.tokenizer, prompt)
+            if len(ids) > cfg.data.max_prompt_length:
+                self.skipped += 1
+                continue
+            self.prompts.append(prompt)
+            self.ids.append(ids)
+        if self.skipped:
+            log.warning(
+                "rank %d: %d data.val prompts are longer than data.max_prompt_length=%d and "
+                "are not validated",
+                rank,
+                self.skipped,
+                cfg.data.max_prompt_length,
+            )
+
+    @property
+    def in_flight(self) -> int:
+        return sum(job.in_flight for job in self.jobs)
+
+    def request(self, step: int, version: int) -> None:
+        self.requested += 1
+        positions = deque(range(len(self.prompts)))
+        self.jobs.append(ValidationJob(self.requested, step, version, positions))
+        self._send_done()  # an empty share answers at once
+
+    @staticmethod
+    def owns(key: Hashable) -> bool:
+        return isinstance(key, tuple) and len(key) == 3 and key[0] == VAL_KEY
+
+    def top_up(self) -> None:
+        """Submit val groups, oldest validation first, up to prompts_per_generate in flight."""
+        room = self.cfg.rollout.prompts_per_generate - self.in_flight
+        for job in self.jobs:
+            while room > 0 and job.pending:
+                position = job.pending.popleft()
+                key = (VAL_KEY, job.id, position)
+                rollout = self.cfg.rollout
+                self.engine.submit(key, self.ids[position], rollout.val_n, rollout.val_temperature)
+                job.in_flight += 1
+                room -= 1
+
+    def finished(self, key: tuple, gen: Generation) -> None:
+        """Score one val group; send the validation's result once its last group is in."""
+        _, job_id, position = key
+        job = next(j for j in self.jobs if j.id == job_id)
+        prompt = self.prompts[position]
+        job.rewards[position] = np.array(
+            [
+                self.task.reward(
+                    prompt, self.engine.decode(gen.response_ids[j, : gen.response_lengths[j]])
+                )
+                for j in range(gen.response_ids.shape[0])
+            ],
+            dtype=np.float32,
+        )
+        job.in_flight -= 1
+        self._send_done()
+
+    def finish(self, step_engine: Callable[[], None], stop: Callable[[], bool]) -> None:
+        """Run every validation asked for to its end (``step_engine``: one engine step whose
+        finished groups reach ``finished``, training groups going their own way), unless
+        ``stop()`` turns true first."""
+        while self.jobs and not stop():
+            self.top_up()
+            step_engine()
+
+    def _send_done(self) -> None:
+        while self.jobs and self.jobs[0].done:
+            job = self.jobs.popleft()
+            width = self.cfg.rollout.val_n
+            rewards = np.stack([job.rewards[i] for i in range(len(self.prompts))]) if (
+                self.prompts
+            ) else np.zeros((0, width), dtype=np.float32)  # fmt: skip
+            self.sender.send_validation(
+                result_message(
+                    job.step, job.version, self.rank, self.prompts, rewards, self.skipped
+                )
+            )
+            log.info("rank %d: validated step %d (v%d)", self.rank, job.step, job.version)

@@ -1,0 +1,150 @@
+"""Validation in a real run under mpirun: the default job with a held-out ``data.val`` (two
+data sources) and ``trainer.test_freq=50`` validates the weights at steps 0, 50, ..., 300
+while it trains; the greedy validation reward rises from about 1/15 (random over the tiny
+vocabulary) to >= 0.8; the logs, TensorBoard, the progress lines and the report show it;
+and no validation sample reaches the training queue or its audit."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_asyncppo.config import DataConfig
+from hpc_asyncppo.runlog import read_jsonl, split_metrics
+from hpc_asyncppo.tasks.next_digit import generate_prompts, write_prompts
+from tests.integration.test_local_runs import check_audit, submit
+
+pytestmark = pytest.mark.mpi
+REPO = Path(__file__).resolve().parents[2]
+VAL_PROMPTS = 128
+STEPS = 300  # the default job's
+SYNC_EVERY = 4
+
+
+def held_out_prompts(path: Path) -> dict[str, int]:
+    """VAL_PROMPTS prompts of the default task not among its training prompts, as JSONL:
+    "short" (2-3 digits) and "long" (4-5 digits) data sources. Returns the count of each."""
+    train = {p.text for p in generate_prompts(DataConfig().num_prompts)}
+    held = [p for p in generate_prompts(4 * VAL_PROMPTS, seed=99) if p.text not in train]
+    held = [
+        dataclasses.replace(p, index=i, data_source="short" if len(p.text.split()) <= 4 else "long")
+        for i, p in enumerate(held[:VAL_PROMPTS])
+    ]
+    assert len(held) == VAL_PROMPTS
+    write_prompts(path, held)
+    return {s: sum(p.data_source == s for p in held) for s in ("short", "long")}
+
+
+@pytest.fixture(scope="module")
+def validated_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    root = tmp_path_factory.mktemp("validated")
+    held_out_prompts(root / "val.jsonl")
+    run_dir = root / "run"
+    proc = submit(
+        run_dir,
+        f"data.val={root / 'val.jsonl'}",
+        "trainer.test_freq=50",
+        "rollout.record_sent_groups=true",
+        "timeouts.sample_wait_s=120",
+        timeout=420,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return run_dir, proc.stdout
+
+
+def test_validation_at_every_test_freq_steps_learns_to_08(validated_run):
+    run_dir, _ = validated_run
+    steps, vals = split_metrics(read_jsonl(run_dir / "metrics.jsonl"))
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in vals] == list(range(0, STEPS + 1, 50))
+    for row in vals:
+        # the leader's newest version after the step's sync (every SYNC_EVERY steps)
+        assert row["val/param_version"] == row["step"] // SYNC_EVERY, row
+        assert row["val/prompts"] == VAL_PROMPTS and row["val/skipped_prompts"] == 0
+        for key in ("val/reward/mean", "val/pass@1", "val/short/reward/mean", "val/long/pass@1"):
+            assert 0.0 <= row[key] <= 1.0, (key, row)
+        assert not any(k.startswith(("reward/", "samples/")) for k in row)
+    first, last = vals[0]["val/reward/mean"], vals[-1]["val/reward/mean"]
+    assert first < 0.2, f"the untrained policy scored {first:.3f} (random: about 1/15)"
+    assert last >= 0.8, f"greedy validation reward {first:.3f} -> {last:.3f}"
+    assert vals[-1]["val/pass@1"] > vals[0]["val/pass@1"]
+
+
+def test_validation_samples_stay_out_of_training(validated_run):
+    """Every group a rollout rank sent (its own record) was trained or dropped, and no more:
+    the validation groups never went through the sample sender."""
+    run_dir, _ = validated_run
+    trained = check_audit(run_dir, sync_every=SYNC_EVERY, max_staleness=4)
+    dropped = read_jsonl(run_dir / "dropped_samples.jsonl")
+    sent = read_jsonl(run_dir / "sent" / "rank0.jsonl")
+    assert len(trained) == STEPS * 16 * 8
+    groups = {r["uid"].rsplit("-r", 1)[0] for r in trained + dropped}
+    assert len(sent) == len(groups)
+
+
+def test_progress_report_status_and_tensorboard_show_validation(validated_run):
+    run_dir, stdout = validated_run
+    lines = [line for line in stdout.splitlines() if line.startswith("validation ")]
+    assert len(lines) == STEPS // 50 + 1
+    assert "at step 0 (v0)" in lines[0] and f"at step {STEPS} (v{STEPS // SYNC_EVERY})" in lines[-1]
+    assert "pass@1" in lines[-1] and "short" in lines[-1] and "long" in lines[-1]
+    cmd = [sys.executable, "-m", "hpc_asyncppo.report", str(run_dir)]
+    report = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert report.returncode == 0, report.stderr
+    _, vals = split_metrics(read_jsonl(run_dir / "metrics.jsonl"))
+    assert f"validation  reward {vals[0]['val/reward/mean']:.3f}" in report.stdout
+    assert f"-> reward {vals[-1]['val/reward/mean']:.3f}" in report.stdout
+    assert f"{len(vals)} validations" in report.stdout
+    assert (run_dir / "report.png").stat().st_size > 0
+    cmd = [sys.executable, "-m", "hpc_asyncppo.status", str(run_dir)]
+    status = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert f"validation  reward {vals[-1]['val/reward/mean']:.3f}" in status.stdout
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    logged = [(r["step"], r["val/reward/mean"]) for r in vals]
+    assert [(e.step, e.value) for e in acc.Scalars("val/reward/mean")] == pytest.approx(logged)
+    assert {"val/pass@1", "val/param_version", "val/short/reward/mean"} <= set(
+        acc.Tags()["scalars"]
+    )
+
+
+def test_a_stop_signal_with_validations_in_flight_stops_and_the_resume_validates_on(tmp_path):
+    """SIGTERM while validations (every 2 steps, 4 sampled responses each) run beside
+    training: the run stops with its checkpoint without waiting for them; the resumed run
+    validates from its checkpoint's step on and every step is trained once."""
+    from tests.integration.test_resume import interrupt_after
+
+    held_out_prompts(tmp_path / "val.jsonl")
+    run_dir = tmp_path / "run"
+    args = [
+        "--run-dir", str(run_dir), f"data.val={tmp_path / 'val.jsonl'}", "trainer.test_freq=2",
+        "rollout.val_n=4", "rollout.val_temperature=1.0", "trainer.total_steps=24",
+        "actor.ppo_mini_batch_size=4", "timeouts.sample_wait_s=120", "timeouts.rank_wait_s=60",
+    ]  # fmt: skip
+    interrupt_after(run_dir, args, 8)
+    assert (run_dir / "preempted").exists()
+    stopped_at = max(r["step"] for r in split_metrics(read_jsonl(run_dir / "metrics.jsonl"))[0])
+    cmd = [
+        sys.executable,
+        "-m",
+        "hpc_asyncppo.submit",
+        "--cluster",
+        "local",
+        "--resume",
+        str(run_dir),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps, vals = split_metrics(read_jsonl(run_dir / "metrics.jsonl"))
+    assert [r["step"] for r in steps] == list(range(1, 25))
+    assert {r["step"] for r in vals} >= set(range(stopped_at + stopped_at % 2, 25, 2))
+    assert all(r["step"] % 2 == 0 and r["val/prompts"] == VAL_PROMPTS for r in vals)
+    trained = [r["uid"] for r in read_jsonl(run_dir / "trained_samples.jsonl")]
+    assert len(trained) == len(set(trained)) == 24 * 4 * 8
