@@ -1,0 +1,132 @@
+"""Time to reward: sync against fully_async (default, and any configuration given), on the
+same ranks, task and sample budget, several seeds, runs alternated.
+
+Per run it reads ``metrics.jsonl``: the first step whose rolling mean reward (over
+``--window`` steps) reaches ``--target``, and when that step was logged, counted from the
+launch of ``submit`` (start-up included) and from the first weight sync (training only,
+``time/elapsed_s``); samples per second, both idle ratios (the last step's) and the mean
+staleness. Per mode it prints the medians over the seeds and the ratios to sync (time to
+reward: sync / mode, > 1 is faster than sync).
+
+    python scripts/bench_time_to_reward.py                          # sync vs fully_async, seeds 1 2
+    python scripts/bench_time_to_reward.py --steps 300 --seeds 1 2 3 \\
+        --mode "stale0.5=async_training.staleness_threshold=0.5" \\
+        --mode "stale0.5_is=async_training.staleness_threshold=0.5 algorithm.rollout_is=token"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(overrides: list[str], steps: int, seed: int, run_dir: Path) -> dict:
+    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local",
+           "--run-dir", str(run_dir), f"trainer.total_steps={steps}",
+           f"trainer.seed={seed}", "checkpoint.save_every=0", *overrides]  # fmt: skip
+    launched = time.time()
+    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"launched": launched, "rows": [r for r in rows if "reward/mean" in r]}
+
+
+def measure(result: dict, window: int, target: float) -> dict:
+    rows = result["rows"]
+    reached = None
+    for i in range(window - 1, len(rows)):
+        if statistics.fmean(r["reward/mean"] for r in rows[i - window + 1 : i + 1]) >= target:
+            reached = rows[i]
+            break
+    last = rows[-1]
+    return {
+        "step": reached["step"] if reached else None,
+        "from_launch_s": reached["time/unix"] - result["launched"] if reached else None,
+        "from_sync_s": reached["time/elapsed_s"] if reached else None,
+        "samples_per_s": last["samples/total"] / last["time/elapsed_s"],
+        "trainer_idle": last["trainer/idle_ratio"],
+        "rollout_idle": last["rollouter/idle_ratio"],
+        "staleness": statistics.fmean(r["staleness/mean"] for r in rows),
+        "final_reward": statistics.fmean(r["reward/mean"] for r in rows[-window:]),
+    }
+
+
+def median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if len(known) == len(values) else None
+
+
+def fmt(v: float | None, spec: str = "7.2f") -> str:
+    return format(v, spec) if v is not None else "  never"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--window", type=int, default=10)
+    parser.add_argument("--target", type=float, default=0.8)
+    parser.add_argument(
+        "--mode",
+        action="append",
+        default=[],
+        help='another mode: "NAME=key=value key=value ..." (fully_async plus these)',
+    )
+    parser.add_argument("overrides", nargs="*", help="key=value for every mode")
+    args = parser.parse_args()
+    modes = {"sync": ["async_training.mode=sync"], "fully_async": []}
+    for spec in args.mode:
+        name, _, rest = spec.partition("=")
+        modes[name] = rest.split()
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, seed in enumerate(args.seeds):
+            names = list(modes) if i % 2 == 0 else list(modes)[::-1]  # alternate the order
+            for name in names:
+                out = measure(
+                    run(
+                        [*args.overrides, *modes[name]],
+                        args.steps,
+                        seed,
+                        Path(tmp) / f"{name}-{seed}",
+                    ),
+                    args.window,
+                    args.target,
+                )
+                results[name].append(out)
+                print(
+                    f"{name:14s} seed {seed}: reward {args.target} (rolling {args.window}) at step "
+                    f"{out['step']}, {fmt(out['from_launch_s'])} s from launch, "
+                    f"{fmt(out['from_sync_s'])} s from the first sync; {out['samples_per_s']:.0f} "
+                    f"samples/s, idle trainer {out['trainer_idle']:.2f} rollout "
+                    f"{out['rollout_idle']:.2f}, staleness {out['staleness']:.2f}, final reward "
+                    f"{out['final_reward']:.3f}",
+                    flush=True,
+                )
+    print(f"{args.steps} steps, seeds {args.seeds}; medians (never: a seed did not reach it)")
+    print("mode            launch s  sync s  samples/s  idle tr/ro  staleness  reward  "
+          "ratio to sync (launch, sync)")  # fmt: skip
+    base = {k: median([r[k] for r in results["sync"]]) for k in ("from_launch_s", "from_sync_s")}
+    for name, rs in results.items():
+        m = {k: median([r[k] for r in rs]) for k in rs[0]}
+        ratios = [
+            base[k] / m[k] if base[k] is not None and m[k] else None
+            for k in ("from_launch_s", "from_sync_s")
+        ]
+        print(
+            f"{name:14s} {fmt(m['from_launch_s'])} {fmt(m['from_sync_s'])} "
+            f"{m['samples_per_s']:9.0f}  {m['trainer_idle']:.2f}/{m['rollout_idle']:.2f}"
+            f"  {m['staleness']:9.2f}  {m['final_reward']:.3f}  "
+            f"{fmt(ratios[0], '.2f')}x {fmt(ratios[1], '.2f')}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
