@@ -190,8 +190,9 @@ class TrainerLeader:
     def grant(self) -> None:
         """New credits, each with the next prompt of the data order."""
         for rank, count in enumerate(self.credits.grant()):
-            for _ in range(count):
-                self.receiver.send_control(rank, Control.CREDIT, self.order.take())
+            if count:
+                draws = [self.order.take() for _ in range(count)]
+                self.receiver.send_control(rank, Control.CREDIT, count, draws)
 
     def collect_batch(self) -> list[SampleGroup] | None:
         """The next ``required_groups`` groups within the staleness bound (and, with dynamic

@@ -32,7 +32,7 @@ LEADER = 0  # the trainer leader's rank inside the trainer side of the intercomm
 
 
 class Control(IntEnum):
-    CREDIT = 1  # one more group granted; value: the draw naming its prompt (trainer/prompts.py)
+    CREDIT = 1  # groups granted; value: how many, then the draws naming their prompts
     SYNC = 2  # value: the param version whose weights are about to be broadcast
     STOP = 3  # no more groups; answer DONE
     DONE = 4  # (rollout -> leader) value: groups sent in total
@@ -104,8 +104,8 @@ def decode_group(buf: np.ndarray) -> SampleGroup:
     return SampleGroup(**{k: meta[k] for k in _SCALARS}, **{k: arrays[k] for k in _ARRAYS})
 
 
-def _control(kind: Control, value: int = 0) -> np.ndarray:
-    return np.array([int(kind), value], dtype=np.int64)
+def _control(kind: Control, value: int = 0, extra: list[int] | None = None) -> np.ndarray:
+    return np.array([int(kind), value, *(extra or [])], dtype=np.int64)
 
 
 class SampleSender:
@@ -129,13 +129,20 @@ class SampleSender:
         self._pending = [(req, buf) for req, buf in self._pending if not req.Test()]
 
     def poll_control(self) -> list[tuple[Control, int]]:
-        """Every control message that has arrived, in order; never blocks."""
+        """Every control message that has arrived, in order; never blocks. A grant of
+        several credits is one message (so that they arrive together: with one rollout
+        rank a run is reproducible from its seed) and comes out as one (CREDIT, draw) each."""
         self._reap()
         messages = []
-        while self._inter.Iprobe(source=LEADER, tag=TAG_CONTROL):
-            msg = np.empty(2, dtype=np.int64)
+        status = MPI.Status()
+        while self._inter.Iprobe(source=LEADER, tag=TAG_CONTROL, status=status):
+            msg = np.empty(status.Get_count(MPI.INT64_T), dtype=np.int64)
             self._inter.Recv([msg, MPI.INT64_T], source=LEADER, tag=TAG_CONTROL)
-            messages.append((Control(int(msg[0])), int(msg[1])))
+            kind = Control(int(msg[0]))
+            if kind == Control.CREDIT:
+                messages += [(kind, int(draw)) for draw in msg[2 : 2 + int(msg[1])]]
+            else:
+                messages.append((kind, int(msg[1])))
         return messages
 
     def send_validation(self, result: np.ndarray) -> None:
@@ -211,8 +218,12 @@ class SampleReceiver:
             self._inter.Recv([msg, MPI.INT64_T], source=status.Get_source(), tag=TAG_CONTROL)
             self.done_counts[status.Get_source()] = int(msg[1])
 
-    def send_control(self, rank: int, kind: Control, value: int = 0) -> None:
-        msg = _control(kind, value)
+    def send_control(
+        self, rank: int, kind: Control, value: int = 0, extra: list[int] | None = None
+    ) -> None:
+        """``extra``: more integers after the value (CREDIT: value = how many, extra = the
+        draws naming their prompts)."""
+        msg = _control(kind, value, extra)
         self._pending.append(
             (self._inter.Isend([msg, MPI.INT64_T], dest=rank, tag=TAG_CONTROL), msg)
         )

@@ -253,3 +253,39 @@ def test_after_a_resume_every_version_names_one_weight_set(tmp_path):
     }
     trained = read_jsonl(run_dir / "trained_samples.jsonl")
     assert {r["param_version_start"] for r in trained} <= set(digests)
+
+
+def test_a_checkpoint_failing_on_a_stop_still_requeues_from_the_previous_one(tmp_path):
+    """The stop's checkpoint fails (a full disk, at the rollout rank's part): the job still
+    ends as preempted, with the reason in one line, and resumes from the checkpoint before
+    it, losing nothing."""
+    run_dir = tmp_path / "run"
+    first = submit("--run-dir", str(run_dir), *SMALL, "trainer.total_steps=3")
+    assert first.returncode == 0, first.stderr  # its final checkpoint: step 3
+    env = {**os.environ, "HPC_ASYNCPPO_TEST_FAIL_PART_FROM": "4:rollout0.h5"}
+    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local",
+           "--resume", str(run_dir), "trainer.total_steps=400", "checkpoint.save_every=0",
+           "data.reward_fn=tests.integration.faults:slow"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)  # fmt: skip
+    deadline = time.monotonic() + 180
+    while len(read_jsonl(run_dir / "metrics.jsonl")) < 6:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    failed = [
+        line for line in err.splitlines() if "checkpoint at step" in line and "failed" in line
+    ]
+    assert len(failed) == 1 and "rollout rank 0" in failed[0] and "No space left" in failed[0], err
+    assert (run_dir / "preempted").exists()  # so the batch script requeues
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000003"]
+    done = submit("--resume", str(run_dir), "trainer.total_steps=8")
+    assert done.returncode == 0, done.stderr
+    assert "step_00000003" in done.stdout
+    trained = [r["uid"] for r in read_jsonl(run_dir / "trained_samples.jsonl")]
+    assert len(trained) == len(set(trained)) == 8 * 32
+    attempts = read_jsonl(run_dir / "goodput.jsonl")
+    assert [a["reason"] for a in attempts] == ["finished", "signal SIGUSR2", "finished"]
+    assert attempts[2]["resumed_step"] == 3 and attempts[2]["lost_s"] > 0  # the lost attempt

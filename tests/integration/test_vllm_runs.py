@@ -8,23 +8,14 @@ The tiny model gets 2 attention heads: vLLM's CPU attention has no kernel for he
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from hpc_asyncppo.checkpoint.protocol import list_checkpoints
-from hpc_asyncppo.checkpoint.store import CheckpointReader
-from hpc_asyncppo.launch.rundir import read_rank_info
 from hpc_asyncppo.runlog import read_jsonl
 from tests.integration.test_local_runs import check_audit, check_weights_match, submit
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh --with-vllm)")
 pytestmark = pytest.mark.mpi
-REPO = Path(__file__).resolve().parents[2]
 
 VLLM = [
     "rollout.engine=vllm",
@@ -94,64 +85,3 @@ def test_partial_rollout_resumes_groups_across_syncs(tmp_path):
     spanning = [r for r in trained if r["param_version_end"] > r["param_version_start"]]
     assert spanning, "no group was cut by a sync and resumed"
     assert all(r["param_version_end"] >= r["param_version_start"] for r in trained)
-
-
-def _descendants(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children = (task / "children").read_text().split()
-        except OSError:
-            continue  # a thread that just ended
-        for child in children:
-            out += [int(child), *_descendants(int(child))]
-    return out
-
-
-def test_vllm_outlives_stop_signals_and_cut_groups_resume(tmp_path):
-    """As under Slurm, the stop signal reaches every process of the job at once, vLLM's
-    engine processes included: they ignore it (USR2 and SIGTERM), the rollout rank cuts
-    its groups (long responses, mid-generation) into the checkpoint and shuts vLLM down
-    itself; the resumed run continues the cut groups with partial rollout, and the audit
-    holds."""
-    run_dir = tmp_path / "run"
-    args = [*VLLM, "async_training.partial_rollout=true",
-            "async_training.trigger_parameter_sync_step=1", "actor.ppo_mini_batch_size=4",
-            "rollout.response_length=96", "rollout.ignore_eos=true",
-            "async_training.staleness_threshold=1.0", "trainer.total_steps=6"]  # fmt: skip
-    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local",
-           "--run-dir", str(run_dir), "--rollout-ranks", "1", *args]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.monotonic() + 300
-    while len(read_jsonl(run_dir / "metrics.jsonl")) < 2:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
-    rollout = next(i for i in read_rank_info(run_dir) if i["role"] == "rollout")
-    engine = _descendants(rollout["pid"])
-    assert engine, "no vLLM engine process under the rollout rank"
-    for pid in engine:  # Slurm signals every process; the launcher forwards USR2 to ranks
-        os.kill(pid, signal.SIGUSR2)
-        os.kill(pid, signal.SIGTERM)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 143 and "continue with" in err, out + err
-    (folder,) = list_checkpoints(run_dir)[:1]
-    with CheckpointReader(folder / "rollout0.h5") as reader:
-        cut = reader.get("partial")
-    assert cut and any(0 < int(g["response_lengths"].max()) < 96 for g in cut), cut
-    resume = [
-        sys.executable,
-        "-m",
-        "hpc_asyncppo.submit",
-        "--cluster",
-        "local",
-        "--resume",
-        str(run_dir),
-    ]
-    done = subprocess.run(resume, cwd=REPO, capture_output=True, text=True, timeout=420)
-    assert done.returncode == 0, done.stdout + done.stderr
-    trained = check_audit(run_dir, sync_every=1, max_staleness=4, partial=True)
-    uids = [r["uid"] for r in trained]
-    assert len(uids) == len(set(uids)) == 6 * 4 * 8
