@@ -34,6 +34,8 @@ import os
 import time
 from pathlib import Path
 
+from hpc_asyncppo.runlog import read_jsonl
+
 GOODPUT = "goodput.jsonl"
 
 
@@ -52,16 +54,7 @@ def process_start_time() -> float:
 
 
 def read_attempts(run_dir: Path) -> list[dict]:
-    path = run_dir / GOODPUT
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a torn line cannot happen (renamed whole), but never fail on it
-    return rows
+    return read_jsonl(run_dir / GOODPUT)
 
 
 def _write(run_dir: Path, rows: list[dict]) -> None:

@@ -24,19 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpc_asyncppo.runlog import read_jsonl
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written
-    return rows
 
 
 def one_run(length: int, steps_before: int, root: Path) -> tuple[float, float]:
