@@ -5,7 +5,7 @@ where a response ends."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,6 +38,69 @@ class PartialGroup:
     def tokens(self) -> int:
         """Response tokens sampled so far, over the n responses."""
         return int(self.sofar.response_lengths.sum())
+
+
+@dataclass
+class Response:
+    """One of a group's n responses as an engine samples it: its tokens so far, their
+    log-probs, and the weights version that sampled each."""
+
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finished: bool = False
+    request_id: str | None = None  # vllm: the request generating it now; None: not running
+
+
+@dataclass
+class ResponseGroup:
+    """A prompt and its n responses in the making: what both engines keep per group."""
+
+    prompt: list[int]
+    responses: list[Response]
+    temperature: float | None = None  # None: rollout.temperature; 0: greedy
+
+    @property
+    def complete(self) -> bool:
+        return all(r.finished for r in self.responses)
+
+    @classmethod
+    def of(cls, partial: PartialGroup) -> ResponseGroup:
+        """A cut group, to continue from its tokens."""
+        g = partial.sofar
+        return cls(
+            list(partial.prompt),
+            [
+                Response(
+                    g.response_ids[j, :length].tolist(),
+                    g.log_probs[j, :length].tolist(),
+                    g.versions[j, :length].tolist(),
+                    bool(partial.finished[j]),
+                )
+                for j, length in enumerate(g.response_lengths.tolist())
+            ],
+        )
+
+    def generation(self, width: int, pad_id: int) -> Generation:
+        """Right-padded arrays, lengths including the EOS, log-probs 0 and versions -1 past it."""
+        n = len(self.responses)
+        ids = np.full((n, width), pad_id, dtype=np.int32)
+        log_probs = np.zeros((n, width), dtype=np.float32)
+        versions = np.full((n, width), -1, dtype=np.int32)
+        lengths = np.zeros(n, dtype=np.int32)
+        for j, r in enumerate(self.responses):
+            length = lengths[j] = len(r.tokens)
+            ids[j, :length], log_probs[j, :length], versions[j, :length] = (
+                r.tokens,
+                r.log_probs,
+                r.versions,
+            )
+        return Generation(ids, lengths, log_probs, versions)
+
+    def partial(self, width: int, pad_id: int) -> PartialGroup:
+        """This group cut where it stands (for a checkpoint)."""
+        finished = np.array([r.finished for r in self.responses], dtype=bool)
+        return PartialGroup(list(self.prompt), self.generation(width, pad_id), finished)
 
 
 def response_lengths(responses: torch.Tensor, eos_id: int) -> torch.Tensor:

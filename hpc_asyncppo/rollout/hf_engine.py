@@ -8,14 +8,19 @@ same quantity the trainer recomputes, so the two agree up to float error for equ
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from hpc_asyncppo.config import ModelConfig, RolloutConfig
-from hpc_asyncppo.rollout.generation import DTYPES, Generation, PartialGroup
+from hpc_asyncppo.rollout.generation import (
+    DTYPES,
+    Generation,
+    PartialGroup,
+    Response,
+    ResponseGroup,
+)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,62 +44,6 @@ class _Flag(StoppingCriteria):
         return torch.full((input_ids.shape[0],), bool(self.flag()), device=input_ids.device)
 
 
-@dataclass
-class _Response:
-    """One of a group's n responses: what it has sampled so far, and under which weights."""
-
-    tokens: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finished: bool = False
-
-
-@dataclass
-class _Group:
-    prompt: list[int]
-    responses: list[_Response]
-    temperature: float | None = None  # None: rollout.temperature; 0: greedy
-
-    @property
-    def complete(self) -> bool:
-        return all(r.finished for r in self.responses)
-
-    @classmethod
-    def of(cls, partial: PartialGroup) -> _Group:
-        g = partial.sofar
-        responses = []
-        for j, length in enumerate(g.response_lengths.tolist()):
-            responses.append(
-                _Response(
-                    g.response_ids[j, :length].tolist(),
-                    g.log_probs[j, :length].tolist(),
-                    g.versions[j, :length].tolist(),
-                    bool(partial.finished[j]),
-                )
-            )
-        return cls(list(partial.prompt), responses)
-
-    def generation(self, engine: HFEngine) -> Generation:
-        """Right-padded arrays, lengths including the EOS, log-probs 0 and versions -1 past it."""
-        n, width = len(self.responses), engine.cfg.response_length
-        ids = np.full((n, width), engine.pad_id, dtype=np.int32)
-        log_probs = np.zeros((n, width), dtype=np.float32)
-        versions = np.full((n, width), -1, dtype=np.int32)
-        lengths = np.zeros(n, dtype=np.int32)
-        for j, r in enumerate(self.responses):
-            length = lengths[j] = len(r.tokens)
-            ids[j, :length], log_probs[j, :length], versions[j, :length] = (
-                r.tokens,
-                r.log_probs,
-                r.versions,
-            )
-        return Generation(ids, lengths, log_probs, versions)
-
-    def partial(self, engine: HFEngine) -> PartialGroup:
-        finished = np.array([r.finished for r in self.responses], dtype=bool)
-        return PartialGroup(list(self.prompt), self.generation(engine), finished)
-
-
 class HFEngine:
     def __init__(self, model: ModelConfig, rollout: RolloutConfig, device: torch.device):
         self.cfg, self.device = rollout, device
@@ -109,7 +58,7 @@ class HFEngine:
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         )
         self.version = -1
-        self.groups: dict[Hashable, _Group] = {}
+        self.groups: dict[Hashable, ResponseGroup] = {}
         # While true, a step ends at once with the tokens so far (the rank's stop flag).
         self.should_stop: Callable[[], bool] | None = None
 
@@ -182,13 +131,13 @@ class HFEngine:
     ) -> None:
         if key in self.groups:
             raise ValueError(f"a prompt group with key {key!r} is already in flight")
-        self.groups[key] = _Group(list(prompt), [_Response() for _ in range(n)], temperature)
+        self.groups[key] = ResponseGroup(list(prompt), [Response() for _ in range(n)], temperature)
 
     def resume(self, key: Hashable, partial: PartialGroup) -> None:
         """Continue a group cut earlier (e.g. by a checkpoint before a stop) from its tokens."""
         if key in self.groups:
             raise ValueError(f"a prompt group with key {key!r} is already in flight")
-        self.groups[key] = _Group.of(partial)
+        self.groups[key] = ResponseGroup.of(partial)
 
     def step(self) -> list[tuple[Hashable, Generation]]:
         rows = [
@@ -198,7 +147,7 @@ class HFEngine:
             if not r.finished
         ]
         width = self.cfg.response_length
-        by_temperature: dict[float | None, list[tuple[Hashable, _Response]]] = {}
+        by_temperature: dict[float | None, list[tuple[Hashable, Response]]] = {}
         for key, r in rows:  # one batch per sampling temperature (validation's is its own)
             by_temperature.setdefault(self.groups[key].temperature, []).append((key, r))
         for temperature, batch in by_temperature.items():
@@ -215,14 +164,16 @@ class HFEngine:
                 ended = bool(take) and take[-1] == self.eos_id and not self.cfg.ignore_eos
                 r.finished = ended or len(r.tokens) >= width
         done = [key for key, group in self.groups.items() if group.complete]
-        return [(key, self.groups.pop(key).generation(self)) for key in done]
+        width, pad = self.cfg.response_length, self.pad_id
+        return [(key, self.groups.pop(key).generation(width, pad)) for key in done]
 
     def interrupt(self) -> None:
         """Nothing runs between steps; a step cut by ``should_stop`` keeps its tokens."""
 
     def unfinished(self) -> list[tuple[Hashable, PartialGroup]]:
         """Every group in flight with its tokens so far (for a checkpoint)."""
-        return [(key, group.partial(self)) for key, group in self.groups.items()]
+        width, pad = self.cfg.response_length, self.pad_id
+        return [(key, group.partial(width, pad)) for key, group in self.groups.items()]
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.model.named_parameters())

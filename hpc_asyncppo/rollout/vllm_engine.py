@@ -40,14 +40,13 @@ import os
 import socket
 from collections.abc import Hashable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from transformers import AutoTokenizer
 
 from hpc_asyncppo.config import ModelConfig, RolloutConfig
-from hpc_asyncppo.rollout.generation import Generation, PartialGroup
+from hpc_asyncppo.rollout.generation import Generation, PartialGroup, Response, ResponseGroup
 from hpc_asyncppo.runtime.signals import children_ignore_stop_signals
 
 log = logging.getLogger(__name__)
@@ -93,24 +92,6 @@ def engine_kwargs(
         if getattr(rollout, key):
             kwargs[key] = getattr(rollout, key)
     return kwargs
-
-
-@dataclass
-class _Response:
-    """One of a group's n responses: what it has sampled so far, and under which weights."""
-
-    tokens: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finished: bool = False
-    request_id: str | None = None  # the vLLM request generating it now; None: not running
-
-
-@dataclass
-class _Group:
-    prompt: list[int]
-    responses: list[_Response]
-    temperature: float | None = None  # None: rollout.temperature; 0: greedy
 
 
 class VLLMEngine:
@@ -162,7 +143,7 @@ class VLLMEngine:
         )
         self.version = -1
         self.should_stop = None  # unused: a step is one decoding step, the loop checks between
-        self.groups: dict[Hashable, _Group] = {}
+        self.groups: dict[Hashable, ResponseGroup] = {}
         self.running: dict[str, tuple[Hashable, int]] = {}  # request id -> (group key, response)
         self._ids = itertools.count()
         self.keep_loaded = keep_loaded
@@ -193,7 +174,7 @@ class VLLMEngine:
         rollout.temperature; 0: greedy); ``step`` returns them under ``key``."""
         if key in self.groups:
             raise ValueError(f"a prompt group with key {key!r} is already in flight")
-        self.groups[key] = _Group(list(prompt), [_Response() for _ in range(n)], temperature)
+        self.groups[key] = ResponseGroup(list(prompt), [Response() for _ in range(n)], temperature)
         for j in range(n):
             self._start(key, j)
 
@@ -203,33 +184,12 @@ class VLLMEngine:
         to the prompt."""
         if key in self.groups:
             raise ValueError(f"a prompt group with key {key!r} is already in flight")
-        g = partial.sofar
-        self.groups[key] = _Group(
-            list(partial.prompt),
-            [
-                _Response(
-                    g.response_ids[j, :length].tolist(),
-                    g.log_probs[j, :length].tolist(),
-                    g.versions[j, :length].tolist(),
-                    bool(partial.finished[j]),
-                )
-                for j, length in enumerate(g.response_lengths.tolist())
-            ],
-        )
+        self.groups[key] = ResponseGroup.of(partial)
 
     def unfinished(self) -> list[tuple[Hashable, PartialGroup]]:
         """Every group in flight with its tokens so far (after ``interrupt``: a checkpoint)."""
-        return [
-            (
-                key,
-                PartialGroup(
-                    list(group.prompt),
-                    self._generation(group),
-                    np.array([r.finished for r in group.responses], dtype=bool),
-                ),
-            )
-            for key, group in self.groups.items()
-        ]
+        width, pad = self.cfg.response_length, self.pad_id
+        return [(key, group.partial(width, pad)) for key, group in self.groups.items()]
 
     def step(self) -> list[tuple[Hashable, Generation]]:
         """One decoding step of every running request (resuming interrupted ones first);
@@ -295,22 +255,8 @@ class VLLMEngine:
         response.request_id = request_id
         self.running[request_id] = (key, j)
 
-    def _generation(self, group: _Group) -> Generation:
-        """Right-padded arrays, lengths including the EOS, log-probs 0 and versions -1 past it."""
-        n, width = len(group.responses), self.cfg.response_length
-        ids = np.full((n, width), self.pad_id, dtype=np.int32)
-        log_probs = np.zeros((n, width), dtype=np.float32)
-        versions = np.full((n, width), -1, dtype=np.int32)
-        lengths = np.zeros(n, dtype=np.int32)
-        for j, r in enumerate(group.responses):
-            length = len(r.tokens)
-            ids[j, :length], log_probs[j, :length], versions[j, :length] = (
-                r.tokens,
-                r.log_probs,
-                r.versions,
-            )
-            lengths[j] = length
-        return Generation(ids, lengths, log_probs, versions)
+    def _generation(self, group: ResponseGroup) -> Generation:
+        return group.generation(self.cfg.response_length, self.pad_id)
 
     # --- weights ------------------------------------------------------------------------
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
