@@ -36,8 +36,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import multiprocessing.connection
 import os
+import signal
 import socket
+import threading
 from collections.abc import Hashable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -109,7 +112,7 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        from hpc_asyncppo.rollout.vllm_worker import GLOO_BACKEND
+        from hpc_asyncppo.rollout.vllm_worker import GLOO_BACKEND, RANK_PID_ENV
 
         self.cfg, self.device = rollout, device
         self.tokenizer = AutoTokenizer.from_pretrained(model.path)
@@ -125,11 +128,12 @@ class VLLMEngine:
             weight_transfer_config={"backend": "ipc" if on_gpu else GLOO_BACKEND},
         )
         # vLLM's processes must outlive a stop signal sent to every process of the job (Slurm
-        # does): they inherit "ignore" for it, and its engine's own SIGTERM handler is
-        # replaced in the worker; this rank shuts them down after its checkpoint.
+        # does): they inherit "ignore" for it while they start, and our vLLM plugin
+        # (vllm_worker.ignore_stop_signals) replaces vLLM's own SIGTERM handlers once they
+        # are installed; this rank shuts them down itself (close), after its checkpoint.
+        os.environ[RANK_PID_ENV] = str(os.getpid())
         with children_ignore_stop_signals():
             self.llm = LLMEngine.from_engine_args(args)
-        self.engine_pids = self.llm.collective_rpc("hpc_asyncppo_ignore_stop_signals")
         self.sampling = SamplingParams(
             n=1,  # each response is its own request: partial rollout resumes them one by one
             temperature=rollout.temperature,
@@ -153,6 +157,9 @@ class VLLMEngine:
             if on_gpu
             else GlooWeightPush(self.llm, rollout.tensor_parallel_size)
         )
+        self.died: str | None = None  # why vLLM's engine process ended under us, if it did
+        self._closing = False
+        threading.Thread(target=self._watch, daemon=True, name="vllm-engine-watch").start()
 
     # --- tokens -----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -201,7 +208,7 @@ class VLLMEngine:
         if not self.running:
             return []
         done = []
-        for out in self.llm.step():
+        for out in self._engine_call(self.llm.step):
             if out.request_id not in self.running:
                 continue  # a straggler output of an aborted request
             key, j = self.running[out.request_id]
@@ -224,7 +231,7 @@ class VLLMEngine:
         """Abort every running request; each keeps its tokens and resumes at the next step."""
         if not self.running:
             return
-        self.llm.abort_request(list(self.running))
+        self._engine_call(self.llm.abort_request, list(self.running))
         for key, j in self.running.values():
             self.groups[key].responses[j].request_id = None
         self.running.clear()
@@ -249,8 +256,11 @@ class VLLMEngine:
         if group.temperature is not None:
             params.temperature = group.temperature
         request_id = f"r{next(self._ids)}"
-        self.llm.add_request(
-            request_id, TokensPrompt(prompt_token_ids=group.prompt + response.tokens), params
+        self._engine_call(
+            self.llm.add_request,
+            request_id,
+            TokensPrompt(prompt_token_ids=group.prompt + response.tokens),
+            params,
         )
         response.request_id = request_id
         self.running[request_id] = (key, j)
@@ -292,7 +302,7 @@ class VLLMEngine:
         if self.keep_loaded:
             self._loaded = {}
             buckets = self._kept(buckets)
-        self.transfer.push(specs, buckets)
+        self._engine_call(self.transfer.push, specs, buckets)
         if self.cfg.enable_prefix_caching:  # cached KV blocks hold the old weights' keys
             self.llm.reset_prefix_cache()
         self.version = version
@@ -302,8 +312,61 @@ class VLLMEngine:
             self._loaded.update({name: t.clone() for name, t in bucket.items()})
             yield bucket
 
+    def _watch(self) -> None:
+        """Wake this rank if vLLM's engine core dies. vLLM's client notices (it marks the
+        engine dead and shuts itself down) but a call already waiting for the engine's
+        output or for a utility result waits on, without a timeout: the rank would hang.
+        The watch fails those waits, so the call raises and the rank ends the job with
+        the reason (``died``)."""
+        procs = self.engine_processes()
+        if not procs:
+            return
+        by_sentinel = {p.sentinel: p for p in procs}
+        ready = multiprocessing.connection.wait(list(by_sentinel))
+        if self._closing:
+            return
+        gone = by_sentinel[ready[0]]
+        gone.join(timeout=5)  # vLLM's own monitor may be the one that reaps it
+        code = gone.exitcode
+        if code is not None and code < 0:
+            how = f"signal {signal.Signals(-code).name}"
+        else:
+            how = "exit code unknown" if code is None else f"exit code {code}"
+        self.died = f"vLLM's engine process {gone.name} (pid {gone.pid}) died ({how})"
+        client = self.llm.engine_core
+        error = RuntimeError(self.died)
+        for future in list(getattr(client, "utility_results", {}).values()):
+            if not future.done():
+                future.set_exception(error)
+        queue = getattr(client, "outputs_queue", None)
+        if queue is not None:
+            queue.put_nowait(error)
+
+    def _engine_call(self, call, *args):
+        """``call(*args)`` on vLLM's engine; its death is raised as ``died`` says it."""
+        if self.died:
+            raise RuntimeError(self.died)
+        try:
+            return call(*args)
+        except Exception:
+            if self.died:
+                raise RuntimeError(self.died) from None
+            raise
+
+    def engine_processes(self) -> list:
+        """vLLM's engine-core processes (``multiprocessing`` handles) this engine started."""
+        manager = self.llm.engine_core.resources.engine_manager
+        return list(getattr(manager, "processes", []))
+
     def close(self) -> None:
+        """Shut vLLM down. Its engine core ignores SIGTERM (the stop signals are the rank's),
+        which vLLM's shutdown sends: SIGINT asks it to stop the same way first, and its
+        workers follow it out (they watch the engine core's pipe)."""
+        self._closing = True
         self.transfer.close()
+        for proc in self.engine_processes():
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGINT)
         self.llm.engine_core.shutdown()
 
 

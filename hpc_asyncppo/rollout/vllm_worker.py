@@ -1,4 +1,5 @@
-"""Code that runs inside vLLM's worker process: a CPU (gloo) weight-transfer engine.
+"""Code that runs inside vLLM's processes: a CPU (gloo) weight-transfer engine, and the
+plugin that keeps vLLM's engine processes alive through the job's stop signals.
 
 vLLM ships weight-transfer engines for GPUs only (``nccl``, ``ipc``...). This module adds a
 ``gloo`` one, so that on CPU the rollout rank (sender, rank 0) pushes new weights into its
@@ -14,6 +15,8 @@ some tensors silently not at all.
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -97,14 +100,25 @@ class WorkerExtension:
     def hpc_asyncppo_ready(self) -> bool:
         return True
 
-    def hpc_asyncppo_ignore_stop_signals(self) -> int:
-        """In vLLM's engine process (where the worker runs with tensor_parallel_size 1):
-        ignore the stop signals, which Slurm sends every process of the job, vLLM's own
-        SIGTERM handler included (it would shut the engine down under its rank, which shuts
-        it down itself). Returns the process id."""
-        import os
-        import signal
 
-        for sig in (signal.SIGTERM, signal.SIGUSR2):
+# --- stop signals -------------------------------------------------------------------------
+# Slurm sends its warning signal (USR2) and SIGTERM to every process of the job step, vLLM's
+# engine core and worker processes included. Their defaults would end them under the rollout
+# rank (USR2 kills; vLLM's own SIGTERM handlers shut the engine down), before the rank has
+# cut its groups into the checkpoint. The rank ignores nothing: it records the signal and
+# stops generating; the engine processes must ignore both, and their rank shuts them down
+# (``VLLMEngine.close``: SIGINT, which vLLM's engine core takes as its shutdown request).
+RANK_PID_ENV = "HPC_ASYNCPPO_VLLM_RANK_PID"
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+
+def ignore_stop_signals() -> None:
+    """vLLM general plugin (entry point ``vllm.general_plugins``, see pyproject.toml), run in
+    every vLLM process when it loads its plugins: the engine core in ``EngineCore.__init__``
+    and each worker in its constructor, both after vLLM installed its SIGTERM handlers. It
+    acts only in engine processes started by a rollout rank (``RANK_PID_ENV`` names it,
+    and the rank itself keeps its handlers); elsewhere it does nothing."""
+    rank_pid = os.environ.get(RANK_PID_ENV)
+    if rank_pid and int(rank_pid) != os.getpid():
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
-        return os.getpid()
