@@ -205,6 +205,9 @@ class AsyncTrainingConfig:
     max_staleness: int = (
         4  # samples more versions old than this at train time are dropped (recorded)
     )
+    inflight_weight_update: bool = (
+        True  # fully_async: weights arrive while generating, swapped in between engine steps
+    )
 
 
 @dataclass

@@ -11,9 +11,15 @@ place in the data of its own, so a run can resume on any number of rollout ranks
 Validation groups (VALIDATE, ``validation.py``) share the engine steps and go back to the
 leader apart; they are no part of a checkpoint, and a stop signal abandons them.
 
-A weight sync (SYNC) arrives between two engine steps. Without partial rollout the groups
-in flight finish under the old weights first and are sent; with it they are cut, keep
-their tokens, and continue under the new weights (``param_version_end`` > start).
+A weight sync (SYNC) is announced between two engine steps. With in-flight weight updates
+(``async_training.inflight_weight_update``, fully_async) the rank receives it on a side
+thread into a staging copy of the weights while the engine goes on generating under the
+old ones, and loads the copy between two engine steps once it is complete; otherwise it
+receives it at once. Without partial rollout the groups in flight finish under the old
+weights first (no new group starts meanwhile) and are sent; with it they are cut, keep
+their tokens, and continue under the new weights (``param_version_end`` > start). Every
+token records the version that sampled it, so the staleness audit stays exact. Memory: the
+staging copy is one more copy of the weights in ``model.dtype`` on the rank's device.
 
 A checkpoint (CHECKPOINT) cuts the groups in flight at once and writes them, with their
 tokens so far, log-probs and per-token versions, into this rank's part; they go on
@@ -30,6 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +56,7 @@ from hpc_asyncppo.tasks.overlong import usable_prompts
 from hpc_asyncppo.timeline import Timeline
 from hpc_asyncppo.transport.arrays import pack_arrays
 from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleSender
-from hpc_asyncppo.transport.weights import WeightReceiver
+from hpc_asyncppo.transport.weights import Background, WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +79,14 @@ class Rollouter:
             topo.sync_group, src=topo.leader, device=topo.sync_device, target=topo.device
         )
         self.version = -1  # no weights from the trainer yet
+        # in-flight weight updates: the sync being received on a side thread, its announced
+        # version, and the staging copy it is received into (allocated once)
+        self.pending: Background | None = None
+        self.pending_version = -1
+        self.staging: dict[str, torch.Tensor] = {}
+        self.inflight_updates = (
+            cfg.async_training.inflight_weight_update and cfg.async_training.mode != "sync"
+        )
         self.idle_s = 0.0
         self.started_at = time.monotonic()
         self._encoded: dict[int, list[int]] = {}
@@ -97,6 +112,7 @@ class Rollouter:
                 break
             if self.stopping():
                 continue
+            self.load_pending_weights()
             if self.version >= 0:
                 self.start_granted_groups()
                 self.validator.top_up()
@@ -106,6 +122,8 @@ class Rollouter:
             self._waiting_since = None
             self.step_and_send()
         self.finish_validation()  # a validation asked for before STOP reports
+        if self.pending is not None:  # the leader finished its broadcast before STOP
+            self.pending.result(self.cfg.timeouts.weight_sync_s)
         self.engine.interrupt()  # groups still in flight were never counted as sent
         self.engine.close()
         with self.timeline.span("send"):
@@ -121,11 +139,12 @@ class Rollouter:
             if kind == Control.CREDIT:  # value: the draw naming the prompt
                 self.granted.append(value)
             elif kind == Control.SYNC:
-                self.finish_validation()  # every response of a validation has one version
-                if self.cfg.async_training.partial_rollout:
-                    self.engine.interrupt()  # in-flight groups resume under the new weights
-                else:
-                    self.finish_in_flight()
+                if self.inflight_updates and self.version >= 0:
+                    self.load_pending_weights(wait=True)  # one sync at a time
+                    self.pending = self.weights.receive_staged(self.staging)
+                    self.pending_version = value
+                    continue
+                self.before_new_weights()
                 self.receive_weights(expected=value)
             elif kind == Control.CHECKPOINT:  # value: the step being checkpointed
                 self.engine.interrupt()  # the groups in flight go into the part, cut
@@ -135,6 +154,30 @@ class Rollouter:
             elif kind == Control.STOP:
                 return True
         return False
+
+    def before_new_weights(self) -> None:
+        """What must happen before the engine's weights change: every response of a
+        validation has one version; groups in flight are cut (partial rollout: they resume
+        under the new weights) or finished under the old ones."""
+        self.finish_validation()
+        if self.cfg.async_training.partial_rollout:
+            self.engine.interrupt()
+        else:
+            self.finish_in_flight()
+
+    def load_pending_weights(self, wait: bool = False) -> None:
+        """Load the sync received on the side thread into the engine, once it is complete
+        (``wait``: now, waiting for it). Without partial rollout the groups in flight
+        finish first: meanwhile no new group starts (``start_granted_groups``)."""
+        if self.pending is None or not (wait or self.pending.done()):
+            return
+        if not wait and self.in_flight and not self.cfg.async_training.partial_rollout:
+            return  # draining: the groups in flight finish under the weights they started
+        start, wall_start = time.monotonic(), time.time()
+        version, specs = self.pending.result(self.cfg.timeouts.weight_sync_s)
+        self.pending = None
+        self.before_new_weights()
+        self.load_weights(self.pending_version, version, specs, [self.staging], start, wall_start)
 
     def finish_validation(self) -> None:
         """Run the validations asked for to their end; none after a stop signal (the
@@ -191,6 +234,9 @@ class Rollouter:
 
     def start_granted_groups(self) -> None:
         """Submit new prompt groups while credits last, up to prompts_per_generate in flight."""
+        if self.pending is not None and self.pending.done():
+            if not self.cfg.async_training.partial_rollout:
+                return  # new weights are in: the groups in flight drain before they load
         room = self.cfg.rollout.prompts_per_generate - len(self.in_flight)
         for _ in range(max(0, min(len(self.granted), room))):
             epoch, index = divmod(self.granted.popleft(), len(self.prompts))
@@ -218,6 +264,7 @@ class Rollouter:
                 "rollout_rank": self.rank,
                 "version_generated": group.param_version_start,
                 "version_at_send": self.version,
+                "time": time.time(),
             }
             self.sent_log.write([row])
 
@@ -249,20 +296,30 @@ class Rollouter:
         self.sender.send_state(report, self.cfg.timeouts.rank_wait_s)
 
     def receive_weights(self, expected: int) -> None:
-        self._waiting_since = None
+        """Receive a sync now and load it as it arrives: large tensors straight into the
+        engine's parameters where it has them in this process (hf), the rest bucket by
+        bucket. The engine takes the whole sync before the loop steps it again: no
+        generation step runs on half-loaded weights."""
         start, wall_start = time.monotonic(), time.time()
         incoming = self.weights.receive()  # the header; the buckets stream into the engine
-        version = incoming.version
+        buckets = incoming.buckets(into=self.engine.weight_destination)
+        self.load_weights(expected, incoming.version, incoming.specs(), buckets, start, wall_start)
+
+    def load_weights(
+        self,
+        expected: int,
+        version: int,
+        specs: list,
+        buckets: Iterable[dict[str, torch.Tensor]],
+        start: float,
+        wall_start: float,
+    ) -> None:
         if version != expected:
             raise RuntimeError(
                 f"weight sync announced version {expected} but the broadcast carried {version}"
             )
-        # The engine takes the whole sync before the loop steps it again: no generation
-        # step runs on half-loaded weights.
-        # Large tensors are received straight into the engine's parameters where it has them
-        # in this process (hf), the rest bucket by bucket.
-        buckets = incoming.buckets(into=self.engine.weight_destination)
-        self.engine.load_buckets(incoming.specs(), buckets, version)
+        self._waiting_since = None  # loading weights is not waiting for credits
+        self.engine.load_buckets(specs, buckets, version)
         if self.version < 0:  # time counts from the first sync, as on the trainer
             self.started_at, self.idle_s = time.monotonic(), 0.0
         self.version = version

@@ -116,11 +116,18 @@ class Policy:
         """(name, full shape, dtype) of each tensor ``named_weights`` yields; no communication."""
         return [(n, tuple(p.shape), self.compute_dtype) for n, p in self.model.named_parameters()]
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(self, owned: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """The LM's full weights in ``model.dtype``, one at a time (the rollout ranks' copy).
-        Collective: every trainer rank must iterate it to the end, in step."""
+        Collective: every trainer rank must iterate it to the end, in step. ``owned``: each
+        tensor is memory of its own (copied where it would be the parameter itself, one
+        rank in the master dtype), so it may be read after the next update."""
         for name, param in self.resharded().lm.named_parameters():
-            yield name, gather_full(param.detach()).to(self.compute_dtype)
+            full = gather_full(param.detach()).to(self.compute_dtype)
+            if owned:
+                local = param.to_local() if isinstance(param, DTensor) else param
+                if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+                    full = full.clone()
+            yield name, full
 
     def shard_tree(self) -> dict:
         """This rank's part of a checkpoint, without communication: its rows of every

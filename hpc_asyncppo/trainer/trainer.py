@@ -53,7 +53,7 @@ from hpc_asyncppo.trainer.validation import ValidationLog
 from hpc_asyncppo.transport.arrays import pack_arrays, unpack_arrays
 from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleReceiver, decode_group
 from hpc_asyncppo.transport.waits import PeerTimeout, poll_until
-from hpc_asyncppo.transport.weights import WeightBroadcaster
+from hpc_asyncppo.transport.weights import Background, WeightBroadcaster
 
 log = logging.getLogger(__name__)
 TAG_SHARD = 21
@@ -96,6 +96,12 @@ class TrainerLeader:
         self.idle_s = 0.0
         self.elapsed_before_s = 0.0  # training time of earlier runs of this job (resume)
         self.last_sync_s = 0.0
+        # in-flight weight updates: the broadcast on its side thread, once a first went out
+        self.inflight_updates = (
+            cfg.async_training.inflight_weight_update and cfg.async_training.mode != "sync"
+        )
+        self.sending: Background | None = None
+        self.version_sent = False
         self.rollout_idle: dict[int, tuple[float, float]] = {}
         self.partial_groups = [0] * topo.rollout_ranks  # cut groups each rank holds
         self.tokens_regenerated: dict[int, int] = {}  # per rollout rank, cumulative
@@ -332,18 +338,34 @@ class TrainerLeader:
 
     def sync_weights(self, version: int) -> None:
         """Broadcast the weights as ``version``, gathered from the shards one tensor at a time
-        (the followers gather in step) and packed into the next bucket while the last is on
-        the wire; ``last_sync_s`` runs to the last bucket's completion."""
+        (the followers gather in step).
+
+        With in-flight weight updates (after the first sync) the gathered tensors are handed
+        to a side thread that broadcasts them while this rank trains on: it is blocked only
+        for the gathering. Memory: one full copy of the weights in ``model.dtype`` on the
+        sync device, until the broadcast completes (the next sync, a checkpoint or the end
+        waits for it). Otherwise each tensor is packed into the next bucket while the last
+        is on the wire. ``last_sync_s`` is the last completed broadcast's time, to its last
+        bucket's completion."""
         start = time.time()
+        self.finish_sync()  # one broadcast on the wire at a time
         self.receiver.broadcast_control(Control.SYNC, version)
         self.order_followers({"sync": True, "step": self.step})
         digest = runlog.WeightDigest() if self.cfg.trainer.record_weight_digests else None
-        self.last_sync_s = self.broadcaster.broadcast(
-            version,
-            self.policy.named_weights(),
-            specs=self.policy.weight_specs(),
-            on_tensor=digest.add if digest else None,
-        )
+        if self.inflight_updates and self.version_sent:
+            named = list(self.policy.named_weights(owned=True))
+            if digest is not None:
+                for name, tensor in named:
+                    digest.add(name, tensor)
+            self.sending = self.broadcaster.broadcast_in_background(version, named)
+        else:
+            self.last_sync_s = self.broadcaster.broadcast(
+                version,
+                self.policy.named_weights(),
+                specs=self.policy.weight_specs(),
+                on_tensor=digest.add if digest else None,
+            )
+        self.version_sent = True
         self.version, self.synced_step = version, self.step
         self.credits.synced()
         if digest is not None:
@@ -351,6 +373,12 @@ class TrainerLeader:
                 self.run_dir, self.topo.world_rank, version, digest.hexdigest()
             )
         self.timeline.record("sync", start, time.time(), version=version)
+
+    def finish_sync(self) -> None:
+        """Wait for a broadcast still on the wire (in-flight weight updates)."""
+        if self.sending is not None:
+            self.last_sync_s = float(self.sending.result(self.cfg.timeouts.weight_sync_s))
+            self.sending = None
 
     def order_followers(self, meta: dict) -> None:
         self.send_shards([{}] * (self.topo.train_ranks - 1), meta)
@@ -578,6 +606,7 @@ class TrainerLeader:
 
     def shutdown(self) -> None:
         """Stop the rollout ranks, drain what they still send (recorded as dropped), stop followers."""
+        self.finish_sync()
         self.receiver.broadcast_control(Control.STOP)
         self.send_shards([{}] * (self.topo.train_ranks - 1), {"stop": True, "step": self.step})
 

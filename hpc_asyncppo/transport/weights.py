@@ -20,12 +20,21 @@ sender, the tensors it was handed that are still on the wire (the window) plus t
 being packed; on a receiver whose group is on the host, one bucket copied to its device.
 Every packed tensor starts at a multiple of ``ALIGN`` bytes, so that the receiver's views
 of any dtype are aligned whatever the order and lengths of the tensors before it.
+
+In-flight weight updates: either side can run a sync on a side thread
+(``WeightBroadcaster.broadcast_in_background``, ``WeightReceiver.receive_staged``) while
+its loop goes on: the leader hands over the gathered tensors and trains on; a rollout rank
+receives into a staging copy of the weights while its engine generates under the old ones,
+and loads the copy between two engine steps. Only that thread uses the sync group then;
+``Background.result`` joins it (bounded: the group's own timeout ends a stuck collective)
+and raises what it raised.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -331,6 +340,43 @@ class WeightBroadcaster:
             self.peak_bytes = window.peak_bytes
         return time.monotonic() - start
 
+    def broadcast_in_background(
+        self, version: int, named: list[tuple[str, torch.Tensor]]
+    ) -> Background:
+        """``broadcast`` on a side thread; its result is the seconds the broadcast took.
+        ``named`` must be tensors the caller no longer changes (e.g. gathered copies): they
+        are read while the caller trains on."""
+        return Background(lambda: self.broadcast(version, named), f"weight sync v{version}")
+
+
+class Background:
+    """One call running on a side thread: ``done()`` without waiting, ``result()`` joins it
+    and returns its value or raises its exception."""
+
+    def __init__(self, fn: Callable[[], object], name: str):
+        self.name = name
+        self._value: object = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], object]) -> None:
+        try:
+            self._value = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            self._error = exc
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self, timeout_s: float) -> object:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"{self.name} did not finish within {timeout_s:g} s")
+        if self._error is not None:
+            raise RuntimeError(f"{self.name} failed: {self._error}") from self._error
+        return self._value
+
 
 Destination = Callable[[str], torch.Tensor | None]
 
@@ -399,6 +445,29 @@ class WeightReceiver:
         return IncomingWeights(
             version, slots, lambda into: self._buckets(slots, bucket_bytes, into)
         )
+
+    def receive_staged(self, staging: dict[str, torch.Tensor]) -> Background:
+        """Receive the next sync on a side thread into ``staging`` (name -> tensor of the
+        weight's shape and dtype on the target device; missing ones are allocated there and
+        kept, so the caller's dict becomes a whole extra copy of the weights, reused by
+        every later sync). Direct tensors are received in place, the rest copied from their
+        bucket. The result is ``(version, specs)``; the staged tensors are only read once
+        it is done."""
+
+        def run() -> tuple[int, list[WeightSpec]]:
+            incoming = self.receive()
+            specs = incoming.specs()
+            for name, shape, dtype in specs:
+                held = staging.get(name)
+                if held is None or tuple(held.shape) != tuple(shape) or held.dtype != dtype:
+                    staging[name] = torch.empty(shape, dtype=dtype, device=self.target)
+            for bucket in incoming.buckets(into=staging.get):
+                for name, tensor in bucket.items():
+                    if tensor.data_ptr() != staging[name].data_ptr():
+                        staging[name].copy_(tensor)
+            return incoming.version, specs
+
+        return Background(run, "weight sync (receiving)")
 
     def receive_all(self) -> tuple[int, dict[str, torch.Tensor]]:
         """A whole sync as one dict of copies: a whole extra model, for tests and checks."""

@@ -43,31 +43,37 @@ def submit(run_dir: Path, *args: str, timeout: float = 240) -> subprocess.Comple
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout)
 
 
-def sent_versions(run_dir: Path, partial: bool = False) -> dict[str, int]:
+def sent_versions(run_dir: Path, partial: bool = False, resent: bool = False) -> dict[str, int]:
     """uid prefix (seed, epoch, prompt) -> the weights version its rollout rank started the
-    group under, from the rollout ranks' own logs (not from anything the trainer wrote)."""
+    group under, from the rollout ranks' own logs (not from anything the trainer wrote).
+    ``resent``: an attempt ended without a checkpoint, so groups it sent were generated
+    again after the resume; the last time a group was sent is the one that counts."""
+    rows = [
+        row for path in sorted((run_dir / "sent").glob("rank*.jsonl")) for row in read_jsonl(path)
+    ]
+    if resent:
+        rows.sort(key=lambda row: row["time"])
     sent: dict[str, int] = {}
-    for path in sorted((run_dir / "sent").glob("rank*.jsonl")):
-        for row in read_jsonl(path):
-            assert row["uid_prefix"] not in sent, f"group {row['uid_prefix']} sent twice"
-            # without partial rollout a group finishes under the weights it started with
-            if partial:
-                assert row["version_at_send"] >= row["version_generated"], row
-            else:
-                assert row["version_at_send"] == row["version_generated"], row
-            sent[row["uid_prefix"]] = row["version_generated"]
+    for row in rows:
+        assert resent or row["uid_prefix"] not in sent, f"group {row['uid_prefix']} sent twice"
+        # without partial rollout a group finishes under the weights it started with
+        if partial:
+            assert row["version_at_send"] >= row["version_generated"], row
+        else:
+            assert row["version_at_send"] == row["version_generated"], row
+        sent[row["uid_prefix"]] = row["version_generated"]
     assert sent, "no rollout rank recorded a sent group (rollout.record_sent_groups)"
     return sent
 
 
 def check_audit(
-    run_dir: Path, sync_every: int, max_staleness: int, partial: bool = False
+    run_dir: Path, sync_every: int, max_staleness: int, partial: bool = False, resent: bool = False
 ) -> list[dict]:
     """Every trained sample's staleness against an independent record: the version its
     rollout rank says it generated it under, and the version the trainer must hold at
     that step by its sync schedule (version 0 first, a new one after every ``sync_every``
     steps). Stale-dropped samples must be exactly those beyond ``max_staleness``."""
-    sent = sent_versions(run_dir, partial)
+    sent = sent_versions(run_dir, partial, resent)
     metrics = {row["step"]: row for row in split_metrics(read_jsonl(run_dir / "metrics.jsonl"))[0]}
     for step, row in metrics.items():
         assert row["param_version"] == (step - 1) // sync_every, row

@@ -8,14 +8,23 @@ The tiny model gets 2 attention heads: vLLM's CPU attention has no kernel for he
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from hpc_asyncppo.checkpoint.protocol import list_checkpoints
+from hpc_asyncppo.checkpoint.store import CheckpointReader
+from hpc_asyncppo.launch.rundir import read_rank_info
 from hpc_asyncppo.runlog import read_jsonl
 from tests.integration.test_local_runs import check_audit, check_weights_match, submit
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh --with-vllm)")
 pytestmark = pytest.mark.mpi
+REPO = Path(__file__).resolve().parents[2]
 
 VLLM = [
     "rollout.engine=vllm",
@@ -64,24 +73,105 @@ def test_default_task_learns_with_vllm(tmp_path):
     assert all(r["param_version_end"] == r["param_version_start"] for r in trained)
 
 
-def test_partial_rollout_resumes_groups_across_syncs(tmp_path):
-    """Two rollout ranks, long responses, a sync every step and room to run ahead: groups
-    cut at a sync finish under the new weights (measured: 152 of 384 samples span 1-2
-    versions); staleness counts from the start version."""
+def _descendants(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue  # a thread that just ended
+        for child in children:
+            out += [int(child), *_descendants(int(child))]
+    return out
+
+
+def ignored_signals(pid: int) -> set[int]:
+    """The signals process ``pid`` ignores (its SigIgn mask)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(
+        next(line for line in status.splitlines() if line.startswith("SigIgn")).split()[1], 16
+    )
+    return {sig for sig in range(1, 64) if mask >> (sig - 1) & 1}
+
+
+def vllm_processes(run_dir: Path, rollout_rank: int) -> list[int]:
+    info = next(i for i in read_rank_info(run_dir) if i["rank"] == rollout_rank)
+    pids = _descendants(info["pid"])
+    assert pids, f"no vLLM engine process under rollout rank {rollout_rank}"
+    return pids
+
+
+def launch(run_dir: Path, *args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", *args]
+    return subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int) -> None:
+    deadline = time.monotonic() + 300
+    while len(read_jsonl(run_dir / "metrics.jsonl")) < steps:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+
+
+def test_partial_rollout_in_flight_updates_stop_signals_and_a_dead_engine(tmp_path):
+    """Two rollout ranks on vLLM, long responses, a sync every step, partial rollout and
+    in-flight weight updates, in three attempts:
+
+    1. As under Slurm, the stop signal reaches every process of the job, vLLM's engine
+       processes included: they ignore USR2 and SIGTERM; the rollout ranks cut their
+       groups mid-response into the checkpoint and shut vLLM down themselves.
+    2. Resumed, then vLLM's engine core of rollout rank 1 is killed: the job ends within a
+       bounded time, naming the dead process (no rank waits on it forever).
+    3. Resumed again from the checkpoint of 1, the run finishes: the cut groups continued
+       from their tokens, groups cut by syncs finished under newer weights (versions
+       that changed mid-response), and every sample was trained once with its true
+       staleness."""
     run_dir = tmp_path / "run"
-    args = [
-        *VLLM,
-        "async_training.partial_rollout=true",
-        "async_training.trigger_parameter_sync_step=1",
-        "actor.ppo_mini_batch_size=4",
-        "rollout.response_length=64",
-        "async_training.staleness_threshold=1.0",
-        "trainer.total_steps=12",
+    steps = 6
+    args = [*VLLM, "async_training.partial_rollout=true",
+            "async_training.trigger_parameter_sync_step=1", "actor.ppo_mini_batch_size=4",
+            "rollout.response_length=96", "rollout.ignore_eos=true",
+            "async_training.staleness_threshold=1.0", f"trainer.total_steps={steps}"]  # fmt: skip
+    proc = launch(run_dir, "--run-dir", str(run_dir), "--rollout-ranks", "2", *args)
+    wait_for_steps(proc, run_dir, 2)
+    for rank in (0, 1):
+        for pid in vllm_processes(run_dir, rank):
+            assert {signal.SIGUSR2, signal.SIGTERM} <= ignored_signals(pid), pid
+    for pid in vllm_processes(run_dir, 0) + vllm_processes(run_dir, 1):
+        os.kill(pid, signal.SIGUSR2)  # Slurm signals every process; the launcher
+        os.kill(pid, signal.SIGTERM)  # forwards USR2 to the ranks
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143 and "continue with" in err, out + err
+    (folder,) = list_checkpoints(run_dir)[:1]
+    cut = []
+    for rank in (0, 1):
+        with CheckpointReader(folder / f"rollout{rank}.h5") as reader:
+            cut += reader.get("partial") or []
+    assert any(0 < int(g["response_lengths"].max()) < 96 for g in cut), cut
+
+    proc = launch(run_dir, "--resume", str(run_dir))
+    wait_for_steps(proc, run_dir, len(read_jsonl(run_dir / "metrics.jsonl")) + 1)
+    (killed,) = [  # the engine core (the worker is its child)
+        pid
+        for pid in vllm_processes(run_dir, 1)
+        if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::EngineCore")
     ]
-    proc = submit(run_dir, "--rollout-ranks", "2", *args, timeout=420)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    check_weights_match(run_dir, rollout_ranks=2, versions=13)
-    trained = check_audit(run_dir, sync_every=1, max_staleness=4, partial=True)
+    os.kill(killed, signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out + err
+    assert f"(pid {killed}) died (signal SIGKILL)" in err, err
+
+    done = subprocess.run(
+        [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", "--resume", str(run_dir)],
+        cwd=REPO, capture_output=True, text=True, timeout=420,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    # attempt 2 ended without a checkpoint: what it sent was generated again
+    trained = check_audit(run_dir, sync_every=1, max_staleness=4, partial=True, resent=True)
+    uids = [r["uid"] for r in trained]
+    assert len(uids) == len(set(uids)) == steps * 4 * 8
     spanning = [r for r in trained if r["param_version_end"] > r["param_version_start"]]
-    assert spanning, "no group was cut by a sync and resumed"
-    assert all(r["param_version_end"] >= r["param_version_start"] for r in trained)
+    assert spanning, "no group was cut by a sync and continued under newer weights"

@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 from hpc_asyncppo.transport.weights import (
     ALIGN,
+    Background,
     WeightBroadcaster,
     WeightReceiver,
     bucket_sizes,
@@ -324,3 +325,73 @@ def test_plan_sends_large_tensors_alone_and_packs_small_ones():
     assert bucket_sizes(slots)[by_name["big"].bucket] == 1024
     # buckets are numbered without gaps, in order
     assert sorted({s.bucket for s in slots}) == list(range(len(bucket_sizes(slots))))
+
+
+def _background_worker(rank: int, world: int, port: int, queue) -> None:
+    """Rank 0 hands two syncs to its side thread and meanwhile runs collectives of its own
+    on another group, as a trainer trains on; receivers stage each sync on a side thread
+    while their main thread does the same, then check the staged copy."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    sync_group = dist.new_group(list(range(world)))
+    cpu = torch.device("cpu")
+    big = ("huge.fp32", torch.arange(2**18, dtype=torch.float32))  # 1 MiB: direct
+    named = streamed_tensors() + [big]
+    staging: dict[str, torch.Tensor] = {}
+    first_ptrs: dict[str, int] = {}
+    for version, factor in ((1, 1.0), (2, -2.0)):
+        sent = [(n, t * factor) for n, t in named]
+        if rank == 0:
+            sending = WeightBroadcaster(sync_group, 0, 64 / 2**20, cpu).broadcast_in_background(
+                version, sent
+            )
+        else:
+            sending = WeightReceiver(sync_group, 0, cpu).receive_staged(staging)
+        # the loop goes on meanwhile: collectives on the world group
+        total = torch.ones(1)
+        for _ in range(20):
+            dist.all_reduce(total)
+        result = sending.result(60)
+        if rank == 0:
+            queue.put((rank, version, sending.done() and result >= 0, total.item() > 1))
+            continue
+        got_version, specs = result
+        ok = got_version == version and [s[0] for s in specs] == [n for n, _ in named]
+        ok = ok and all(
+            staging[n].dtype == t.dtype
+            and torch.equal(staging[n].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8))
+            for n, t in sent
+        )
+        if version == 1:
+            first_ptrs = {n: t.data_ptr() for n, t in staging.items()}
+        else:  # the staging copy is allocated once and reused
+            ok = ok and all(staging[n].data_ptr() == p for n, p in first_ptrs.items())
+        queue.put((rank, version, ok, total.item() > 1))
+    dist.destroy_process_group()
+
+
+def test_a_sync_runs_on_side_threads_while_both_loops_go_on():
+    """In-flight weight updates: the leader's broadcast and a receiver's staging run on side
+    threads while the main threads run collectives of their own; the staged copy is bit
+    exact, every dtype and a direct (in-place) tensor included, and reused by the next sync."""
+    world = 3
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.spawn(_background_worker, args=(world, _free_port(), queue), nprocs=world, join=True)
+    results = sorted(queue.get() for _ in range(2 * world))
+    assert results == [(r, v, True, True) for r in range(world) for v in (1, 2)]
+
+
+def test_a_failing_background_call_raises_on_the_caller_with_its_name():
+    def fail() -> None:
+        raise ValueError("wire cut")
+
+    call = Background(fail, "weight sync v3")
+    with pytest.raises(RuntimeError, match="weight sync v3 failed: wire cut"):
+        call.result(10)
