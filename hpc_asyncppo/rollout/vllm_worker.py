@@ -15,6 +15,7 @@ some tensors silently not at all.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 from dataclasses import dataclass
@@ -110,6 +111,7 @@ class WorkerExtension:
 # (``VLLMEngine.close``: SIGINT, which vLLM's engine core takes as its shutdown request).
 RANK_PID_ENV = "HPC_ASYNCPPO_VLLM_RANK_PID"
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def ignore_stop_signals() -> None:
@@ -122,3 +124,16 @@ def ignore_stop_signals() -> None:
     if rank_pid and int(rank_pid) != os.getpid():
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+        die_with_parent()
+
+
+def die_with_parent() -> None:
+    """An engine process that ignores SIGTERM must not outlive a rank killed outright
+    (SIGKILL, the OOM killer): Linux sends it SIGKILL when its parent dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: vLLM's own parent checks remain
+        return
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(1)
