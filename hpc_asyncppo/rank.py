@@ -20,6 +20,9 @@ def main(argv: list[str]) -> int:
         print("usage: python -m hpc_asyncppo.rank RUN_DIR", file=sys.stderr)
         return 2
     run_dir = Path(argv[0]).resolve()
+    from hpc_asyncppo.runtime import startup
+
+    python_started = startup.process_started_at()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from mpi4py import MPI
@@ -36,6 +39,8 @@ def main(argv: list[str]) -> int:
         level=logging.INFO,
         format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s",
     )
+    startup.mark("python started", python_started)
+    startup.mark("MPI initialised")
     gpus: list[int | str] | None = None
     try:
         role = role_of(rank, rollout_rank_count())
@@ -54,19 +59,24 @@ def main(argv: list[str]) -> int:
         from hpc_asyncppo.checkpoint.resume import find_resume_checkpoint
         from hpc_asyncppo.runtime.topology import build_topology, close_topology
 
+        startup.mark("torch and transformers imported")
         topo = build_topology(rollout_rank_count(), cfg.timeouts.weight_sync_s)
+        startup.mark("topology built")
         logging.getLogger(__name__).info(
             "%s rank on %s; weights travel via %s", role, topo.device, topo.sync_device
         )
         checkpoint = find_resume_checkpoint(run_dir, topo)
         write_rank_info(run_dir, rank, size, role, "running", gpus)
+        startup.mark("checkpoint found")
         if role == ROLLOUT:
             from hpc_asyncppo.rollout.rollouter import run_rollouter
 
+            startup.mark("role imported")
             run_rollouter(cfg, topo, run_dir, checkpoint)
         else:
             from hpc_asyncppo.trainer.trainer import run_trainer
 
+            startup.mark("role imported")
             run_trainer(cfg, topo, run_dir, checkpoint)
         close_topology(topo)
         write_rank_info(run_dir, rank, size, role, "done", gpus)

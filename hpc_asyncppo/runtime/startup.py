@@ -1,0 +1,43 @@
+"""Where a rank's start-up goes: one line in its log per phase, with the wall-clock time it
+ended, from the rank's Python process starting to its first weight sync.
+
+    ... rank0 hpc_asyncppo.runtime.startup INFO: start-up: imports done at 1718000000.123456
+
+The local launcher writes the same lines for itself into logs/mpirun.log;
+``scripts/bench_startup.py`` reads them all to say where the seconds before the first
+weight sync go.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+
+log = logging.getLogger(__name__)
+PHASE = re.compile(r"start-up: (.+) at (\d+\.\d+)$")
+
+
+def line(phase: str, at: float | None = None) -> str:
+    """The line saying that ``phase`` ended now (or at ``at``, a ``time.time()``)."""
+    return f"start-up: {phase} at {time.time() if at is None else at:.6f}"
+
+
+def mark(phase: str, at: float | None = None) -> None:
+    """Log that ``phase`` ended now (or at ``at``)."""
+    log.info(line(phase, at))
+
+
+def process_started_at() -> float:
+    """When this process started, by the clock of ``time.time()`` (to ~10 ms: the kernel
+    counts a process's start in clock ticks since boot); now where /proc is missing."""
+    try:
+        with open("/proc/self/stat") as f:
+            # fields after the command name, which may hold spaces: starttime is the 20th
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.time()
+    return time.time() - (uptime - started_ticks / os.sysconf("SC_CLK_TCK"))

@@ -1,0 +1,108 @@
+"""Start-up: from the launch of the default job to its first weight sync, and where the
+seconds go, median over several runs.
+
+Each run is ``python -m hpc_asyncppo.submit --cluster local`` with a few steps and no
+checkpoints. The phases come from the ``start-up: PHASE at TIME`` lines the launcher writes
+into logs/mpirun.log and every rank into logs/rank{i}.log (``hpc_asyncppo.runtime.startup``);
+a phase is the time from the previous line of the same process (the first: from the line
+it follows on, e.g. a rank's Python start from mpirun's start). The total is the first
+metrics row's ``time/unix - time/elapsed_s`` (when the trainer's clock started, right after
+the first sync) minus the launch, as in bench_time_to_reward.py.
+
+    python scripts/bench_startup.py                       # 3 runs
+    python scripts/bench_startup.py --runs 5 model.tiny.num_layers=4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hpc_asyncppo.runtime.startup import PHASE  # noqa: E402
+
+# (process, phase) in the order they happen; a process's phase runs from its previous one.
+LAUNCHER = "launcher"
+ROLLOUT, TRAINER = "rollout rank 0", "trainer rank 1"
+
+
+def run(overrides: list[str], steps: int, run_dir: Path) -> dict:
+    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local",
+           "--run-dir", str(run_dir), f"trainer.total_steps={steps}",
+           "checkpoint.save_every=0", "checkpoint.save_final=false", *overrides]  # fmt: skip
+    launched = time.time()
+    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    ended = time.time()
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in metrics if "reward/mean" in r)
+    marks = {
+        LAUNCHER: read_marks(run_dir / "logs" / "mpirun.log"),
+        ROLLOUT: read_marks(run_dir / "logs" / "rank0.log"),
+        TRAINER: read_marks(run_dir / "logs" / "rank1.log"),
+    }
+    return {
+        "launched": launched,
+        "first_sync": first["time/unix"] - first["time/elapsed_s"],
+        "ended": ended,
+        "marks": marks,
+    }
+
+
+def read_marks(path: Path) -> dict[str, float]:
+    marks = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        if m := PHASE.search(line):
+            marks[m.group(1)] = float(m.group(2))
+    return marks
+
+
+def phases(result: dict) -> dict[str, float]:
+    """Seconds per (process: phase), each from the previous mark of the same process; a
+    rank's first from mpirun's start, the launcher's first from the launch."""
+    out: dict[str, float] = {}
+    launcher = result["marks"][LAUNCHER]
+    origin = {LAUNCHER: result["launched"]}
+    origin[ROLLOUT] = origin[TRAINER] = launcher.get("mpirun started", result["launched"])
+    for proc, marks in result["marks"].items():
+        previous = origin[proc]
+        for phase, at in sorted(marks.items(), key=lambda kv: kv[1]):
+            out[f"{proc}: {phase}"] = at - previous
+            previous = at
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = parser.parse_args()
+    totals, per_phase = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            result = run(args.overrides, args.steps, Path(tmp) / f"run{i}")
+            total = result["first_sync"] - result["launched"]
+            totals.append(total)
+            for name, seconds in phases(result).items():
+                per_phase.setdefault(name, []).append(seconds)
+            print(
+                f"run {i}: launch to the first weight sync {total:6.2f} s "
+                f"(whole run {result['ended'] - result['launched']:.2f} s)",
+                flush=True,
+            )
+    print(f"median of {args.runs} runs, each phase from the previous line of its process")
+    for name, values in per_phase.items():
+        print(f"  {name:58s} {statistics.median(values):6.2f} s")
+    print(f"launch to the first weight sync: {statistics.median(totals):.2f} s (median)")
+
+
+if __name__ == "__main__":
+    main()
