@@ -23,9 +23,10 @@ import hashlib
 import json
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-import torch
+if TYPE_CHECKING:  # not imported: the launcher reads metrics without torch (seconds to import)
+    import torch
 
 METRICS = "metrics.jsonl"
 TRAINED = "trained_samples.jsonl"
@@ -146,6 +147,8 @@ class WeightDigest:
         self.parts: dict[str, str] = {}
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        import torch
+
         raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         self.parts[name] = hashlib.sha256(raw.tobytes()).hexdigest()
 
