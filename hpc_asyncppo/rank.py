@@ -23,6 +23,7 @@ def main(argv: list[str]) -> int:
     from hpc_asyncppo.runtime import startup
 
     python_started = startup.process_started_at()
+    startup.pause_collection()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from mpi4py import MPI
@@ -40,7 +41,7 @@ def main(argv: list[str]) -> int:
         format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s",
     )
     startup.mark("python started", python_started)
-    startup.mark("MPI initialised")
+    startup.mark("MPI initialised, torch imported")
     gpus: list[int | str] | None = None
     try:
         role = role_of(rank, rollout_rank_count())
@@ -56,10 +57,18 @@ def main(argv: list[str]) -> int:
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
+        startup.mark("transformers imported")
+        # Every import before the first collective: a rank waits for the others once, not
+        # at each step of the start-up.
+        if role == ROLLOUT:
+            from hpc_asyncppo.rollout.rollouter import run_rollouter as run_role
+        else:
+            from hpc_asyncppo.trainer.trainer import run_trainer as run_role
         from hpc_asyncppo.checkpoint.resume import find_resume_checkpoint
         from hpc_asyncppo.runtime.topology import build_topology, close_topology
 
-        startup.mark("torch and transformers imported")
+        startup.resume_collection()
+        startup.mark(f"{role} modules imported")
         topo = build_topology(rollout_rank_count(), cfg.timeouts.weight_sync_s)
         startup.mark("topology built")
         logging.getLogger(__name__).info(
@@ -68,16 +77,7 @@ def main(argv: list[str]) -> int:
         checkpoint = find_resume_checkpoint(run_dir, topo)
         write_rank_info(run_dir, rank, size, role, "running", gpus)
         startup.mark("checkpoint found")
-        if role == ROLLOUT:
-            from hpc_asyncppo.rollout.rollouter import run_rollouter
-
-            startup.mark("role imported")
-            run_rollouter(cfg, topo, run_dir, checkpoint)
-        else:
-            from hpc_asyncppo.trainer.trainer import run_trainer
-
-            startup.mark("role imported")
-            run_trainer(cfg, topo, run_dir, checkpoint)
+        run_role(cfg, topo, run_dir, checkpoint)
         close_topology(topo)
         write_rank_info(run_dir, rank, size, role, "done", gpus)
         return 0

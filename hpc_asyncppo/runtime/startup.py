@@ -10,6 +10,8 @@ weight sync go.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import os
 import re
@@ -41,3 +43,21 @@ def process_started_at() -> float:
     except (OSError, ValueError, IndexError):
         return time.time()
     return time.time() - (uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def pause_collection() -> None:
+    """Stop collecting cyclic garbage for the imports of a rank's start-up: they allocate
+    most of a million objects and free few, and the collections among them cost about a
+    fifth of their time."""
+    gc.disable()
+
+
+def resume_collection() -> None:
+    """Collect again once the imports are done, leaving every object alive now (modules,
+    classes, functions: alive as long as the process) out of all later collections, so
+    that they never traverse them; the cyclic garbage of the imports stays too (~10 MB).
+    The model is built after this: its garbage is collected as ever."""
+    gc.freeze()
+    gc.enable()
+    # at exit everything is collected as usual (nanobind reports frozen objects as leaks)
+    atexit.register(gc.unfreeze)
