@@ -2,12 +2,14 @@
 seconds go, median over several runs.
 
 Each run is ``python -m hpc_asyncppo.submit --cluster local`` with a few steps and no
-checkpoints. The phases come from the ``start-up: PHASE at TIME`` lines the launcher writes
-into logs/mpirun.log and every rank into logs/rank{i}.log (``hpc_asyncppo.runtime.startup``);
-a phase is the time from the previous line of the same process (the first: from the line
-it follows on, e.g. a rank's Python start from mpirun's start). The total is the first
-metrics row's ``time/unix - time/elapsed_s`` (when the trainer's clock started, right after
-the first sync) minus the launch, as in bench_time_to_reward.py.
+checkpoints. The phases come from the ``start-up: PHASE at TIME (cpu SECONDS s)`` lines the
+launcher writes into logs/mpirun.log and every rank into logs/rank{i}.log
+(``hpc_asyncppo.runtime.startup``); a phase is the time from the previous line of the same
+process (the first: from the line it follows on, e.g. a rank's Python start from mpirun's
+start), in wall-clock seconds and in the CPU seconds the process used (steadier on a
+shared machine; "-" where a line has none). The total is the first metrics row's
+``time/unix - time/elapsed_s`` (when the trainer's clock started, right after the first
+sync) minus the launch, as in bench_time_to_reward.py.
 
     python scripts/bench_startup.py                       # 3 runs
     python scripts/bench_startup.py --runs 5 model.tiny.num_layers=4
@@ -56,26 +58,28 @@ def run(overrides: list[str], steps: int, run_dir: Path) -> dict:
     }
 
 
-def read_marks(path: Path) -> dict[str, float]:
+def read_marks(path: Path) -> dict[str, tuple[float, float | None]]:
+    """phase -> (wall-clock time, CPU seconds used by then or None)."""
     marks = {}
     for line in path.read_text().splitlines() if path.exists() else []:
         if m := PHASE.search(line):
-            marks[m.group(1)] = float(m.group(2))
+            marks[m.group(1)] = (float(m.group(2)), float(m.group(3)) if m.group(3) else None)
     return marks
 
 
-def phases(result: dict) -> dict[str, float]:
-    """Seconds per (process: phase), each from the previous mark of the same process; a
-    rank's first from mpirun's start, the launcher's first from the launch."""
-    out: dict[str, float] = {}
+def phases(result: dict) -> dict[str, tuple[float, float | None]]:
+    """(wall, CPU) seconds per (process: phase), each from the previous mark of the same
+    process; a rank's first from mpirun's start, the launcher's first from the launch (its
+    CPU from the process's start)."""
+    out: dict[str, tuple[float, float | None]] = {}
     launcher = result["marks"][LAUNCHER]
     origin = {LAUNCHER: result["launched"]}
-    origin[ROLLOUT] = origin[TRAINER] = launcher.get("mpirun started", result["launched"])
+    origin[ROLLOUT] = origin[TRAINER] = launcher.get("mpirun started", (result["launched"],))[0]
     for proc, marks in result["marks"].items():
-        previous = origin[proc]
-        for phase, at in sorted(marks.items(), key=lambda kv: kv[1]):
-            out[f"{proc}: {phase}"] = at - previous
-            previous = at
+        previous, previous_cpu = origin[proc], 0.0
+        for phase, (at, cpu) in sorted(marks.items(), key=lambda kv: kv[1][0]):
+            out[f"{proc}: {phase}"] = (at - previous, None if cpu is None else cpu - previous_cpu)
+            previous, previous_cpu = at, previous_cpu if cpu is None else cpu
     return out
 
 
@@ -85,13 +89,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
-    totals, per_phase = [], {}
+    totals, per_phase, runs = [], {}, []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
             result = run(args.overrides, args.steps, Path(tmp) / f"run{i}")
             total = result["first_sync"] - result["launched"]
             totals.append(total)
-            for name, seconds in phases(result).items():
+            runs.append(phases(result))
+            for name, seconds in runs[-1].items():
                 per_phase.setdefault(name, []).append(seconds)
             print(
                 f"run {i}: launch to the first weight sync {total:6.2f} s "
@@ -99,8 +104,17 @@ def main() -> None:
                 flush=True,
             )
     print(f"median of {args.runs} runs, each phase from the previous line of its process")
+    print(f"  {'process: phase':52s}  wall s   cpu s")
     for name, values in per_phase.items():
-        print(f"  {name:58s} {statistics.median(values):6.2f} s")
+        wall = statistics.median(w for w, _ in values)
+        cpus = [c for _, c in values if c is not None]
+        cpu = f"{statistics.median(cpus):7.2f}" if len(cpus) == len(values) else "      -"
+        print(f"  {name:52s} {wall:7.2f} {cpu}")
+    for proc in (ROLLOUT, TRAINER):  # the CPU of its last line: all it used to get there
+        cpu = statistics.median(
+            sum(c or 0.0 for n, (_, c) in r.items() if n.startswith(proc)) for r in runs
+        )
+        print(f"  {proc}: CPU seconds from its start to its first sync: {cpu:.2f}")
     print(f"launch to the first weight sync: {statistics.median(totals):.2f} s (median)")
 
 

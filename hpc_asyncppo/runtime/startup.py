@@ -1,7 +1,7 @@
 """Where a rank's start-up goes: one line in its log per phase, with the wall-clock time it
 ended, from the rank's Python process starting to its first weight sync.
 
-    ... rank0 hpc_asyncppo.runtime.startup INFO: start-up: imports done at 1718000000.123456
+    ... rank0 hpc_asyncppo.runtime.startup INFO: start-up: topology built at 1718000000.123456 (cpu 3.210 s)
 
 The local launcher writes the same lines for itself into logs/mpirun.log;
 ``scripts/bench_startup.py`` reads them all to say where the seconds before the first
@@ -18,12 +18,16 @@ import re
 import time
 
 log = logging.getLogger(__name__)
-PHASE = re.compile(r"start-up: (.+) at (\d+\.\d+)$")
+PHASE = re.compile(r"start-up: (.+) at (\d+\.\d+)(?: \(cpu (\d+\.\d+) s\))?$")
 
 
 def line(phase: str, at: float | None = None) -> str:
-    """The line saying that ``phase`` ended now (or at ``at``, a ``time.time()``)."""
-    return f"start-up: {phase} at {time.time() if at is None else at:.6f}"
+    """The line saying that ``phase`` ended now, with the CPU time this process has used so
+    far (on a shared machine a steadier measure than the wall clock); or that it ended at
+    ``at``, a past ``time.time()``."""
+    if at is not None:
+        return f"start-up: {phase} at {at:.6f}"
+    return f"start-up: {phase} at {time.time():.6f} (cpu {time.process_time():.3f} s)"
 
 
 def mark(phase: str, at: float | None = None) -> None:
