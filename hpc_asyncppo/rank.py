@@ -20,6 +20,10 @@ def main(argv: list[str]) -> int:
         print("usage: python -m hpc_asyncppo.rank RUN_DIR", file=sys.stderr)
         return 2
     run_dir = Path(argv[0]).resolve()
+    from hpc_asyncppo.runtime import startup
+
+    python_started = startup.process_started_at()
+    startup.pause_collection()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from mpi4py import MPI
@@ -36,6 +40,8 @@ def main(argv: list[str]) -> int:
         level=logging.INFO,
         format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s",
     )
+    startup.mark("python started", python_started)
+    startup.mark("MPI initialised, torch imported")
     gpus: list[int | str] | None = None
     try:
         role = role_of(rank, rollout_rank_count())
@@ -51,23 +57,27 @@ def main(argv: list[str]) -> int:
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
+        startup.mark("transformers imported")
+        # Every import before the first collective: a rank waits for the others once, not
+        # at each step of the start-up.
+        if role == ROLLOUT:
+            from hpc_asyncppo.rollout.rollouter import run_rollouter as run_role
+        else:
+            from hpc_asyncppo.trainer.trainer import run_trainer as run_role
         from hpc_asyncppo.checkpoint.resume import find_resume_checkpoint
         from hpc_asyncppo.runtime.topology import build_topology, close_topology
 
+        startup.resume_collection()
+        startup.mark(f"{role} modules imported")
         topo = build_topology(rollout_rank_count(), cfg.timeouts.weight_sync_s)
+        startup.mark("topology built")
         logging.getLogger(__name__).info(
             "%s rank on %s; weights travel via %s", role, topo.device, topo.sync_device
         )
         checkpoint = find_resume_checkpoint(run_dir, topo)
         write_rank_info(run_dir, rank, size, role, "running", gpus)
-        if role == ROLLOUT:
-            from hpc_asyncppo.rollout.rollouter import run_rollouter
-
-            run_rollouter(cfg, topo, run_dir, checkpoint)
-        else:
-            from hpc_asyncppo.trainer.trainer import run_trainer
-
-            run_trainer(cfg, topo, run_dir, checkpoint)
+        startup.mark("checkpoint found")
+        run_role(cfg, topo, run_dir, checkpoint)
         close_topology(topo)
         write_rank_info(run_dir, rank, size, role, "done", gpus)
         return 0

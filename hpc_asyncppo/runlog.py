@@ -23,9 +23,10 @@ import hashlib
 import json
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-import torch
+if TYPE_CHECKING:  # not imported: the launcher reads metrics without torch (seconds to import)
+    import torch
 
 METRICS = "metrics.jsonl"
 TRAINED = "trained_samples.jsonl"
@@ -55,12 +56,19 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path):
         self._jsonl = JsonlWriter(run_dir / METRICS)
-        self._tensorboard = _tensorboard_writer(run_dir / TENSORBOARD)
+        self._tensorboard_dir = run_dir / TENSORBOARD
+        self._tensorboard: Any = None
+        self._tensorboard_opened = False
 
     def write(self, rows: list[dict[str, Any]]) -> None:
         now = time.time()
         rows = [{**row, "time/unix": row.get("time/unix", now)} for row in rows]
         self._jsonl.write(rows)
+        if not self._tensorboard_opened:
+            # At the first row, not before the first weight sync: importing tensorboard
+            # takes ~0.3 s, which in fully_async mode the rollout ranks spend generating.
+            self._tensorboard = _tensorboard_writer(self._tensorboard_dir)
+            self._tensorboard_opened = True
         if self._tensorboard is not None:
             for row in rows:
                 for key, value in row.items():
@@ -146,6 +154,8 @@ class WeightDigest:
         self.parts: dict[str, str] = {}
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        import torch
+
         raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         self.parts[name] = hashlib.sha256(raw.tobytes()).hexdigest()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -200,9 +201,8 @@ def prepare(args: argparse.Namespace) -> tuple[Config, Path, int, int] | int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+    # Not transformers' own switch: importing transformers here would cost seconds.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         prepared = prepare(args)
     except (ConfigError, FileExistsError, ValueError) as exc:  # the input is wrong

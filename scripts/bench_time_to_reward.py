@@ -4,9 +4,10 @@ same ranks, task and sample budget, several seeds, runs alternated.
 Per run it reads ``metrics.jsonl``: the first step whose rolling mean reward (over
 ``--window`` steps) reaches ``--target``, and when that step was logged, counted from the
 launch of ``submit`` (start-up included) and from the first weight sync (training only,
-``time/elapsed_s``); samples per second, both idle ratios (the last step's) and the mean
-staleness. Per mode it prints the medians over the seeds and the ratios to sync (time to
-reward: sync / mode, > 1 is faster than sync).
+``time/elapsed_s``); the start-up (launch to the first weight sync: the first row's
+``time/unix - time/elapsed_s``, when the trainer's clock started); samples per second, both
+idle ratios (the last step's) and the mean staleness. Per mode it prints the medians over
+the seeds and the ratios to sync (time to reward: sync / mode, > 1 is faster than sync).
 
     python scripts/bench_time_to_reward.py                          # sync vs fully_async, seeds 1 2
     python scripts/bench_time_to_reward.py --steps 300 --seeds 1 2 3 \\
@@ -45,8 +46,9 @@ def measure(result: dict, window: int, target: float) -> dict:
         if statistics.fmean(r["reward/mean"] for r in rows[i - window + 1 : i + 1]) >= target:
             reached = rows[i]
             break
-    last = rows[-1]
+    last, first = rows[-1], rows[0]
     return {
+        "startup_s": first["time/unix"] - first["time/elapsed_s"] - result["launched"],
         "step": reached["step"] if reached else None,
         "from_launch_s": reached["time/unix"] - result["launched"] if reached else None,
         "from_sync_s": reached["time/elapsed_s"] if reached else None,
@@ -104,15 +106,16 @@ def main() -> None:
                 print(
                     f"{name:14s} seed {seed}: reward {args.target} (rolling {args.window}) at step "
                     f"{out['step']}, {fmt(out['from_launch_s'])} s from launch, "
-                    f"{fmt(out['from_sync_s'])} s from the first sync; {out['samples_per_s']:.0f} "
+                    f"{fmt(out['from_sync_s'])} s from the first sync (start-up "
+                    f"{out['startup_s']:.2f} s); {out['samples_per_s']:.0f} "
                     f"samples/s, idle trainer {out['trainer_idle']:.2f} rollout "
                     f"{out['rollout_idle']:.2f}, staleness {out['staleness']:.2f}, final reward "
                     f"{out['final_reward']:.3f}",
                     flush=True,
                 )
     print(f"{args.steps} steps, seeds {args.seeds}; medians (never: a seed did not reach it)")
-    print("mode            launch s  sync s  samples/s  idle tr/ro  staleness  reward  "
-          "ratio to sync (launch, sync)")  # fmt: skip
+    print("mode            launch s  sync s  start-up s  samples/s  idle tr/ro  staleness  "
+          "reward  ratio to sync (launch, sync)")  # fmt: skip
     base = {k: median([r[k] for r in results["sync"]]) for k in ("from_launch_s", "from_sync_s")}
     for name, rs in results.items():
         m = {k: median([r[k] for r in rs]) for k in rs[0]}
@@ -122,7 +125,8 @@ def main() -> None:
         ]
         print(
             f"{name:14s} {fmt(m['from_launch_s'])} {fmt(m['from_sync_s'])} "
-            f"{m['samples_per_s']:9.0f}  {m['trainer_idle']:.2f}/{m['rollout_idle']:.2f}"
+            f"{m['startup_s']:11.2f} {m['samples_per_s']:10.0f}  "
+            f"{m['trainer_idle']:.2f}/{m['rollout_idle']:.2f}"
             f"  {m['staleness']:9.2f}  {m['final_reward']:.3f}  "
             f"{fmt(ratios[0], '.2f')}x {fmt(ratios[1], '.2f')}x"
         )

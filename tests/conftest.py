@@ -1,8 +1,10 @@
-"""Fixtures shared by every test folder: the tiny model, built once per session, and the
-rollout-vs-trainer log-prob comparison every engine test makes."""
+"""Fixtures shared by every test folder: the tiny model, built once per session (and the
+cache that runs copy it from), and the rollout-vs-trainer log-prob comparison every engine
+test makes."""
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_asyncppo.config import DataConfig, TinyModelConfig
-from hpc_asyncppo.models.tiny import build_tiny_model
+from hpc_asyncppo.models.tiny import CACHE_VARIABLE, build_tiny_model
 from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.batch import collate, to_tensors
 from hpc_asyncppo.trainer.policy import Policy
@@ -34,6 +36,13 @@ def single_process_group() -> None:
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
         )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tiny_model_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The runs the tests make (and the processes they start) take the tiny model from a
+    cache of this session's, not the user's: no test depends on what an earlier one left."""
+    os.environ[CACHE_VARIABLE] = str(tmp_path_factory.mktemp("tiny_model_cache"))
 
 
 @pytest.fixture(scope="session")

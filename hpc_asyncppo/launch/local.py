@@ -18,6 +18,7 @@ from pathlib import Path
 from hpc_asyncppo.config import Config, ConfigError
 from hpc_asyncppo.launch.progress import follow
 from hpc_asyncppo.launch.rundir import PREEMPTED, rank_errors, read_rank_info
+from hpc_asyncppo.runtime import startup
 
 # Set by an MPI runtime for its own processes: a launcher that inherits them (started from a
 # process that ran MPI_Init, or from inside a Slurm step) makes mpirun fail without a word.
@@ -127,6 +128,9 @@ def run_local(cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int) 
         received.append(signum)
 
     with log_path.open("a") as log:
+        log.write(startup.line("launcher python started", startup.process_started_at()) + "\n")
+        log.write(startup.line("run directory written") + "\n")
+        log.flush()
         # Its own session: a terminal's Ctrl-C reaches only this launcher, which asks for
         # a clean stop, instead of killing mpirun and every rank mid-step.
         proc = subprocess.Popen(
@@ -137,6 +141,8 @@ def run_local(cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int) 
             env=local_environment(rollout_ranks),
             start_new_session=True,
         )
+        log.write(startup.line("mpirun started") + "\n")
+        log.flush()
         previous = {sig: signal.signal(sig, ask_to_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         warnings = RankWarnings(log_path)
 

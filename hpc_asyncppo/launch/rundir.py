@@ -1,7 +1,8 @@
 """The run directory: created before any rank starts, read by every rank and by the tools.
 
 RUN_DIR/config.yaml        the resolved config (the ranks read only this)
-RUN_DIR/model/             the tiny default model, when model.path was empty
+RUN_DIR/model/             the tiny default model, when model.path was empty (a copy of
+                           a cached build, models/tiny.py)
 RUN_DIR/overlong_prompts.json  prompts left out for exceeding data.max_prompt_length (if any)
 RUN_DIR/ranks/rank{i}.json where each rank ran (host, Slurm partition, pid, GPUs) and its state
 RUN_DIR/errors/rank{i}.txt one line per failed rank: what went wrong
@@ -21,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hpc_asyncppo.config import Config, ConfigError, to_yaml
 
@@ -86,14 +87,16 @@ def _write_run_dir(
 ) -> tuple[Config, int]:
     for sub in ("ranks", "errors", "logs"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    tokenizer = None
     if not cfg.model.path:
-        from hpc_asyncppo.models.tiny import build_tiny_model
+        from hpc_asyncppo.models.tiny import TinyTokenizer, tiny_model
 
-        model_dir = build_tiny_model(
+        model_dir = tiny_model(
             run_dir / "model", task.vocabulary(), cfg.model.tiny, cfg.trainer.seed
         )
+        tokenizer = TinyTokenizer(model_dir)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_dir)))
-    overlong = drop_overlong_prompts(cfg, task, run_dir)
+    overlong = drop_overlong_prompts(cfg, task, run_dir, tokenizer)
     for name, text in {CONFIG: to_yaml(cfg), **extra_files}.items():
         (run_dir / name).write_text(text)
     return cfg, overlong
@@ -118,15 +121,17 @@ def check_model_path(path: str) -> None:
         )
 
 
-def drop_overlong_prompts(cfg: Config, task: Task, run_dir: Path) -> int:
-    """Measure every prompt with the model's own tokenizer (as the rollout ranks load it);
-    record the overlong ones in run_dir, or refuse them. Returns how many were dropped."""
-    from transformers import AutoTokenizer
-
+def drop_overlong_prompts(cfg: Config, task: Task, run_dir: Path, tokenizer: Any = None) -> int:
+    """Measure every prompt with the model's own tokenizer (``tokenizer``, or as the rollout
+    ranks load it); record the overlong ones in run_dir, or refuse them. Returns how many
+    were dropped."""
     from hpc_asyncppo.tasks.overlong import check_overlong, find_overlong, write_overlong
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        if tokenizer is None:
+            from transformers import AutoTokenizer  # seconds to import: only for a real model
+
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a broken folder
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ConfigError(

@@ -49,6 +49,7 @@ from hpc_asyncppo.rollout.engine import make_engine
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup
 from hpc_asyncppo.rollout.validation import Validator
 from hpc_asyncppo.runlog import record_weight_digest, sent_groups_writer, weights_digest
+from hpc_asyncppo.runtime import startup
 from hpc_asyncppo.runtime.signals import forget_stop, stop_requested
 from hpc_asyncppo.runtime.topology import Topology
 from hpc_asyncppo.tasks import Prompt, Task, load_task, tokenize_prompt
@@ -70,6 +71,7 @@ class Rollouter:
         # a prompt's index in the task (its uid), i its position in the data order.
         self.prompts: list[Prompt] = usable_prompts(self.task.prompts(), run_dir)
         self.engine = make_engine(cfg, topo.device)
+        startup.mark("engine built")
         # groups submitted to the engine: key -> (data epoch, position in prompts, version at start)
         self.in_flight: dict[tuple[int, int], tuple[int, int, int]] = {}
         self.granted: deque[int] = deque()  # draws (prompts) the leader granted, not started
@@ -322,6 +324,7 @@ class Rollouter:
         self.engine.load_buckets(specs, buckets, version)
         if self.version < 0:  # time counts from the first sync, as on the trainer
             self.started_at, self.idle_s = time.monotonic(), 0.0
+            startup.mark("first weights loaded")
         self.version = version
         if self.resumed:
             self.place_resumed_groups()
@@ -431,4 +434,6 @@ def run_rollouter(
                 read += reader.bytes_read
             names.append(part.name)
         log.info("resume read %d bytes, from %s only", read, ", ".join(names) or "no part")
-    Rollouter(cfg, topo, run_dir, resume).run()
+    rollouter = Rollouter(cfg, topo, run_dir, resume)
+    startup.mark("ready for the first sync")
+    rollouter.run()

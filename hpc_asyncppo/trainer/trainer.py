@@ -38,6 +38,7 @@ from hpc_asyncppo.checkpoint.store import (
 )
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.launch.rundir import PREEMPTED
+from hpc_asyncppo.runtime import startup
 from hpc_asyncppo.runtime.signals import stop_requested, stop_requested_at
 from hpc_asyncppo.runtime.topology import Topology
 from hpc_asyncppo.tasks import load_task
@@ -124,6 +125,7 @@ class TrainerLeader:
         # A version names one weight set: weights restored from a checkpoint taken between
         # two syncs are not those broadcast as the checkpoint's version, so they go out anew.
         self.sync_weights(self.version + 1 if self.unsynced_steps else self.version)
+        startup.mark("first weights sent")
         if self.validation.due(self.step, before_train=True):
             self.validation.request(self.step, self.version)
         self.started_at = time.monotonic()
@@ -696,8 +698,10 @@ def run_trainer(cfg: Config, topo: Topology, run_dir: Path, checkpoint: Path | N
     torch.set_num_threads(cfg.actor.torch_threads)
     torch.manual_seed(cfg.trainer.seed)
     policy = Policy(cfg, topo.device, topo.trainer_group)
+    startup.mark("policy built")
     if topo.is_leader:
         leader = TrainerLeader(cfg, topo, run_dir, policy, checkpoint)
+        startup.mark("ready for the first sync")
         try:
             leader.run()
         except BaseException:
