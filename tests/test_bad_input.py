@@ -24,7 +24,7 @@ launch.json (every file under the test's tmp dir is compared before and after).
 | flag_unknown                  | --bogus                                             | 2 | unrecognized arguments, --bogus |
 | flag_value_not_int            | --rollout-ranks two                                 | 2 | --rollout-ranks, invalid int |
 | vllm_top_p_with_rollout_is    | engine=vllm, top_p=0.9, rollout_is=token            | 2 | top_p=0.9, truncated |
-| vllm_top_k_warns              | engine=vllm, top_k=5 (warning), then a bad path     | 2 | warning line + model.path |
+| vllm_top_k_warns              | engine=vllm, top_k=5, no IS (warning), a bad path   | 2 | warning line + model.path |
 | rollout_lp_with_rollout_is    | use_rollout_log_probs=true + rollout_is=token       | 2 | use_rollout_log_probs, rollout_is=token |
 | tp_above_rollout_gpus         | --cluster slurm, 2 GPUs/node, tensor_parallel 4     | 2 | tensor_parallel_size=4, 1 GPU |
 | model_path_missing            | model.path=/no/such/model                           | 2 | model.path, does not exist |
@@ -200,7 +200,13 @@ CASES: dict[str, Case] = {
         ("top_p=0.9", "truncated"),
     ),
     "vllm_top_k_warns": Case(
-        lambda ws: _run(ws, *VLLM_TINY, "rollout.top_k=5", "model.path=/no/such/model"),
+        lambda ws: _run(
+            ws,
+            *VLLM_TINY,
+            "rollout.top_k=5",
+            "algorithm.rollout_is=none",
+            "model.path=/no/such/model",
+        ),
         2,
         ("model.path", "does not exist"),
     ),

@@ -30,10 +30,16 @@ IDLE_TOL = 0.02
 KILLED_TOTAL_STEPS = 200  # killed long before the end
 
 
+# A staleness budget of 0.1 (not the default 0.5) keeps the leader's queue shallow, so that
+# the groups received for a step are generated just before the leader waits for them: the
+# idle-ratio check below finds the group whose stamp the step logged among the last two.
+SHALLOW_QUEUE = ["async_training.staleness_threshold=0.1", "algorithm.rollout_is=none"]
+
+
 def submit(run_dir: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local"]
-    cmd += ["--run-dir", str(run_dir), *args]
+    cmd += ["--run-dir", str(run_dir), *args, *SHALLOW_QUEUE]
     # its own process group: the killed-run test kills the launcher, mpirun and every rank
     return subprocess.Popen(
         cmd,

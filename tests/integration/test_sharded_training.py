@@ -149,6 +149,6 @@ def test_importance_weights_token_budget_checkpointing_and_lr_schedule(tmp_path)
 
 def test_rollout_log_probs_as_old_log_probs(tmp_path):
     run_dir = tmp_path / "run"
-    submit(run_dir, *SMALL, "async_training.use_rollout_log_probs=true", "actor.ppo_epochs=2",
+    submit(run_dir, *SMALL, "async_training.use_rollout_log_probs=true", "algorithm.rollout_is=none", "actor.ppo_epochs=2",
            "trainer.total_steps=4")  # fmt: skip
     finite_metrics(run_dir, ["actor/pg_loss", "actor/ppo_kl"])

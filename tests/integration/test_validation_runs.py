@@ -56,6 +56,19 @@ def validated_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return run_dir, proc.stdout
 
 
+def test_the_default_job_learns(validated_run):
+    """The README's first command: the embedded default learns the synthetic task. (Its
+    run here also validates, which leaves training alone: see the test below; one run
+    serves both, to keep the suite short.)"""
+    run_dir, _ = validated_run
+    rewards = [m["reward/mean"] for m in split_metrics(read_jsonl(run_dir / "metrics.jsonl"))[0]]
+    assert len(rewards) == STEPS
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-20:]) / 20
+    assert first < 0.2, f"a random policy scores about 1/15, got {first}"
+    assert last >= 0.8, f"mean reward of the last 20 steps {last}"
+    check_audit(run_dir, sync_every=SYNC_EVERY, max_staleness=4)
+
+
 def test_validation_at_every_test_freq_steps_learns_to_08(validated_run):
     run_dir, _ = validated_run
     steps, vals = split_metrics(read_jsonl(run_dir / "metrics.jsonl"))
