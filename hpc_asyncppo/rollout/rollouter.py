@@ -152,6 +152,7 @@ class Rollouter:
                 self.engine.interrupt()  # the groups in flight go into the part, cut
                 self.write_checkpoint_part(value)
             elif kind == Control.VALIDATE:  # value: the trainer step validated
+                self.load_pending_weights(wait=True)  # under the version just synced
                 self.validator.request(value, self.version)
             elif kind == Control.STOP:
                 return True

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from hpc_asyncppo.checkpoint.store import CheckpointError, StateReader
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.rollout.generation import DTYPES
+from hpc_asyncppo.runtime.signals import stop_requested
 from hpc_asyncppo.trainer import algos
 from hpc_asyncppo.trainer.batch import plan_micro_batches, row_tokens, split_to_count, trim
 from hpc_asyncppo.trainer.model import (
@@ -296,6 +297,13 @@ def old_log_probs_from_training(cfg: Config) -> bool:
     )
 
 
+def stop_agreed(policy: Policy) -> bool:
+    """Whether any trainer rank has a stop signal (``runtime/signals.py``); collective, so
+    that every rank abandons a step at the same micro-batch. One float's all-reduce."""
+    flag = torch.tensor([1.0 if stop_requested() else 0.0], dtype=torch.float64)
+    return bool(policy.all_reduce(flag).item() > 0)
+
+
 def _pieces(plans: list[list[np.ndarray]]) -> Iterator[np.ndarray]:
     for plan in plans:
         yield from plan
@@ -303,7 +311,10 @@ def _pieces(plans: list[list[np.ndarray]]) -> Iterator[np.ndarray]:
 
 @torch.no_grad()
 def reference_quantities(
-    policy: Policy, batch: dict[str, torch.Tensor], plans: list[list[np.ndarray]]
+    policy: Policy,
+    batch: dict[str, torch.Tensor],
+    plans: list[list[np.ndarray]],
+    abandon: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Before any update of the step: old log-probs, ref log-probs, values, advantages,
     returns, importance weights and the rejection-sampling mask (``rs_keep``), each (B, L),
@@ -311,7 +322,8 @@ def reference_quantities(
 
     Old log-probs (and the importance weights made from them) are left out when the
     training forward's own log-probs equal them (``old_log_probs_from_training``): then
-    only the reference model, if any, runs here."""
+    only the reference model, if any, runs here. ``abandon``: raise ``StepAbandoned`` before
+    a micro-batch once a stop signal is agreed on."""
     cfg = policy.cfg
     mask = batch["response_mask"]
     own_pass = not old_log_probs_from_training(cfg)
@@ -325,6 +337,8 @@ def reference_quantities(
     if not out:
         plans = []
     for rows in _pieces(plans):
+        if abandon and stop_agreed(policy):
+            raise StepAbandoned
         if rows.size == 0:
             rows = np.zeros(1, dtype=np.int64)  # an empty micro-batch still joins the collectives
         mb = trim(batch, rows)
@@ -430,10 +444,11 @@ def micro_batch_loss(
 
 
 def accumulate_gradients(
-    policy: Policy, batch: dict[str, torch.Tensor], plan: list[np.ndarray]
+    policy: Policy, batch: dict[str, torch.Tensor], plan: list[np.ndarray], abandon: bool = False
 ) -> dict[str, torch.Tensor]:
     """Zero the gradients, then backward every micro-batch of one mini-batch (``batch``: rows
-    with their reference quantities). Returns this rank's shares of the statistics."""
+    with their reference quantities). Returns this rank's shares of the statistics.
+    ``abandon``: raise ``StepAbandoned`` before a micro-batch once a stop is agreed on."""
     policy.optimizer.zero_grad(set_to_none=True)
     rows = np.concatenate(plan) if plan else np.zeros(0, dtype=np.int64)
     index = torch.as_tensor(rows, dtype=torch.long, device=batch["response_mask"].device)
@@ -441,6 +456,8 @@ def accumulate_gradients(
     normalisers = (float(counts[0]), float(counts[1]))
     totals: dict[str, torch.Tensor] = {}
     for mb_rows in plan:
+        if abandon and stop_agreed(policy):
+            raise StepAbandoned
         empty = mb_rows.size == 0
         mb = trim(batch, np.zeros(1, dtype=np.int64) if empty else mb_rows)
         if empty:  # joins the collectives, contributes nothing
@@ -452,18 +469,36 @@ def accumulate_gradients(
     return totals
 
 
-def ppo_update(policy: Policy, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+class StepAbandoned(Exception):
+    """A stop signal came before the step's first optimizer step: nothing of it is kept."""
+
+
+def ppo_update(policy: Policy, batch: dict[str, torch.Tensor]) -> dict[str, float] | None:
     """One trainer step on this rank's rows: require_batches mini-batches x ppo_epochs
     optimizer steps. Collective over the trainer ranks; every rank returns the same
-    statistics (each a mean over the whole batch of every rank, averaged over the steps)."""
+    statistics (each a mean over the whole batch of every rank, averaged over the steps).
+
+    A stop signal (any trainer rank's, agreed on before each micro-batch) abandons the step
+    while no optimizer step has been taken: its gradients are dropped, the weights, the
+    optimizer and the LR schedule are as before it, and it returns None (the leader puts
+    the batch back). The wait from a signal to the step's end is then one micro-batch,
+    whatever the response length. Once an optimizer step is taken (several mini-batches
+    or epochs) the step finishes: the budget is the rest of the step."""
     actor = policy.cfg.actor
     plans = mini_batch_plans(policy, batch)
-    merged = {**batch, **reference_quantities(policy, batch, plans)}
+    try:
+        merged = {**batch, **reference_quantities(policy, batch, plans, abandon=True)}
+        stats = accumulate_gradients(policy, merged, plans[0], abandon=True)
+    except StepAbandoned:
+        policy.optimizer.zero_grad(set_to_none=True)
+        return None
     totals: dict[str, torch.Tensor] = {}
     grad_norm, updates = 0.0, 0
-    for _ in range(actor.ppo_epochs):
-        for plan in plans:
-            for k, v in accumulate_gradients(policy, merged, plan).items():
+    for epoch in range(actor.ppo_epochs):
+        for i, plan in enumerate(plans):
+            if epoch or i:  # the first mini-batch's gradients are in already
+                stats = accumulate_gradients(policy, merged, plan)
+            for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
             if actor.grad_clip > 0:
                 norm = torch.nn.utils.clip_grad_norm_(

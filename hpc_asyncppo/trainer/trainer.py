@@ -103,6 +103,7 @@ class TrainerLeader:
         )
         self.sending: Background | None = None
         self.version_sent = False
+        self.batch_encoded: list[np.ndarray] = []  # the last batch taken, to put back
         self.rollout_idle: dict[int, tuple[float, float]] = {}
         self.partial_groups = [0] * topo.rollout_ranks  # cut groups each rank holds
         self.tokens_regenerated: dict[int, int] = {}  # per rollout rank, cumulative
@@ -146,6 +147,10 @@ class TrainerLeader:
             )
             self.send_shards(shards[1:], {"step": self.step + 1})
             stats = ppo_update(self.policy, to_tensors(shards[0], self.topo.device))
+            if stats is None:  # a stop signal abandoned the update: its groups go back
+                self.put_back(groups)
+                stopped_by = stop_requested()
+                break
             self.step += 1
             self.record(groups, rewards, stats)
             self.timeline.record("train", train_start, time.time(), step=self.step)
@@ -210,6 +215,7 @@ class TrainerLeader:
         them and nothing of the step is kept."""
         batch: list[SampleGroup] = []
         popped: list[np.ndarray] = []  # every group taken, encoded: put back on a stop
+        kept: list[np.ndarray] = []  # the batch's groups, encoded
         rejected: list[tuple[SampleGroup, str]] = []  # dropped, recorded once the batch is whole
         waited_since, wall_start = time.monotonic(), time.time()
         self.step_filtered = self.step_flat_kept = 0
@@ -238,6 +244,7 @@ class TrainerLeader:
                 else:
                     self.step_flat_kept += flat
                     batch.append(group)
+                    kept.append(buf)
             return len(batch) == self.cfg.required_groups
 
         try:
@@ -270,7 +277,14 @@ class TrainerLeader:
         for group, reason in rejected:
             self.drop(group, reason, counted=True)
         self.credits.consumed(trained=len(batch), dropped=0)
+        self.batch_encoded = kept
         return batch
+
+    def put_back(self, batch: list[SampleGroup]) -> None:
+        """A batch whose update was abandoned returns to the front of the queue, as if
+        never taken (its drops stay recorded: they were decided)."""
+        self.queue.push_front(self.batch_encoded)
+        self.credits.consumed(trained=-len(batch), dropped=0)  # queued again, not trained
 
     def refills_per_step(self) -> float:
         """Groups dynamic sampling may drop (and have refilled) while collecting one step:
@@ -666,7 +680,8 @@ def run_follower(
             poll_until(req.Test, cfg.timeouts.rank_wait_s, "the trainer leader to take the part")
             continue
         train_start = time.time()
-        ppo_update(policy, to_tensors(shard, topo.device))
+        if ppo_update(policy, to_tensors(shard, topo.device)) is None:
+            continue  # abandoned by a stop signal, as on the leader: a checkpoint order follows
         timeline.record("train", train_start, time.time(), step=meta["step"])
 
 

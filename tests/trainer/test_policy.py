@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
 from pathlib import Path
 
@@ -294,3 +295,31 @@ def test_old_log_probs_from_the_training_forward_give_the_same_loss_and_gradient
         assert torch.allclose(stats_a[key], stats_b[key], rtol=1e-6, atol=1e-9), key
     for name in grads_a:
         np.testing.assert_allclose(grads_a[name], grads_b[name], rtol=1e-6, atol=1e-9, err_msg=name)
+
+
+def test_a_stop_signal_abandons_the_update_and_leaves_no_trace(tiny_model_dir):
+    """A stop signal before the step's optimizer step: ppo_update returns None and the
+    weights, AdamW's state and the LR schedule are as before, so the same batch trained
+    after a resume gives exactly the update an uninterrupted run makes."""
+    from hpc_asyncppo.runtime import signals
+
+    sections = {"actor": {"lr_warmup_steps": 3, "lr_scheduler": "cosine"}}
+    a, b = one_rank_policy(tiny_model_dir, **sections), one_rank_policy(tiny_model_dir, **sections)
+    batch = make_batch(seed=4)
+    previous = {sig: signal.getsignal(sig) for sig in signals.STOP_SIGNALS}
+    try:
+        signals.install_stop_handlers()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert signals.stop_requested() == "SIGUSR2"
+        assert ppo_update(b, to_tensors(batch, CPU)) is None
+    finally:
+        signals.forget_stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert b.schedule.updates == 0 and not b.optimizer.state
+    assert all(p.grad is None for p in b.module.parameters())
+    assert ppo_update(a, to_tensors(batch, CPU)) == ppo_update(b, to_tensors(batch, CPU))
+    for (name, x), (_, y) in zip(
+        a.module.named_parameters(), b.module.named_parameters(), strict=True
+    ):
+        assert torch.equal(gather_full(x), gather_full(y)), name
