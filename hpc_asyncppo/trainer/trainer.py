@@ -10,9 +10,10 @@ trainer rank an equal shard, run the PPO update (gradients all-reduced across tr
 ranks), log, every ``sync_every`` steps broadcast the weights as a new version, and every
 ``checkpoint.save_every`` steps write a checkpoint; every ``trainer.test_freq`` steps it asks
 the rollout ranks to validate the newest weights (``validation.py``). A stop signal
-(Slurm's warning signal, SIGTERM, the launcher's forwarded Ctrl-C) ends the loop at the
-next step boundary with a checkpoint. Followers only receive shards and update (and send
-their RNG state for a checkpoint).
+(Slurm's warning signal, SIGTERM, the launcher's forwarded Ctrl-C) ends the loop with a
+checkpoint at once: a batch being gathered, or one whose update has not reached its
+optimizer step (``ppo_update`` abandons it), goes back to the front of the queue.
+Followers only receive shards and update (and send their RNG state for a checkpoint).
 """
 
 from __future__ import annotations
