@@ -237,6 +237,10 @@ class TrainerLeader:
                 if staleness_of(group, self.version) > self.cfg.async_training.max_staleness:
                     self.credits.consumed(trained=0, dropped=1)
                     rejected.append((group, "stale"))
+                    # its budget comes back, so the batch refills: with in-flight weight
+                    # updates groups granted after a sync may start under the old weights,
+                    # and at max_staleness 0 their drops would otherwise use up the window
+                    self.credits.refund(1)
                 elif flat and self.step_filtered < refills:
                     self.credits.consumed(trained=0, dropped=1)
                     rejected.append((group, "filtered"))
