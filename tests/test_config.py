@@ -10,8 +10,8 @@ from hpc_asyncppo.config import CONFIG_DIR, Config, ConfigError, load_config, lo
 def test_defaults_validate_and_derive_verl_quantities():
     cfg = load_config()
     assert cfg.required_groups == cfg.actor.ppo_mini_batch_size * cfg.async_training.require_batches
-    # verl: required * (1 + staleness_threshold) * trigger_parameter_sync_step = 16 * 1.5 * 4
-    assert cfg.max_required_groups == 96
+    # verl: required * (1 + staleness_threshold) * trigger_parameter_sync_step = 16 * 1.1 * 4
+    assert cfg.max_required_groups == 70
     assert cfg.sync_every == 4
 
 
