@@ -97,7 +97,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _broadcast_worker(rank: int, world: int, port: int, bucket_mb: int, queue) -> None:
+def join_gloo(rank: int, world: int, port: int) -> None:
+    """This spawned process joins a gloo world of ``world`` ranks on the loopback."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group(
         "gloo",
@@ -106,6 +107,10 @@ def _broadcast_worker(rank: int, world: int, port: int, bucket_mb: int, queue) -
         world_size=world,
         timeout=timedelta(seconds=60),
     )
+
+
+def _broadcast_worker(rank: int, world: int, port: int, bucket_mb: int, queue) -> None:
+    join_gloo(rank, world, port)
     group = dist.new_group(list(range(world)))
     named = named_tensors()
     if rank == 0:
@@ -152,14 +157,7 @@ SYNC_BUCKETS = (64 / 2**20, 300 / 2**20, 1.0)  # MiB: 64 and 300 bytes, 1 MiB
 def _streaming_worker(rank: int, world: int, port: int, queue) -> None:
     """Rank 0 streams each order x bucket size; every receiver loads each bucket as it comes
     into preallocated "model" tensors, checking that at most two bucket buffers are alive."""
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    join_gloo(rank, world, port)
     group = dist.new_group(list(range(world)))
     named = streamed_tensors()
     cpu = torch.device("cpu")
@@ -331,14 +329,7 @@ def _background_worker(rank: int, world: int, port: int, queue) -> None:
     """Rank 0 hands two syncs to its side thread and meanwhile runs collectives of its own
     on another group, as a trainer trains on; receivers stage each sync on a side thread
     while their main thread does the same, then check the staged copy."""
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    join_gloo(rank, world, port)
     sync_group = dist.new_group(list(range(world)))
     cpu = torch.device("cpu")
     big = ("huge.fp32", torch.arange(2**18, dtype=torch.float32))  # 1 MiB: direct
