@@ -113,17 +113,24 @@ def check_idle_ratios(run_dir: Path) -> None:
     covered_until = min(leader[-1].end, rollout.end)  # a killed rank's last second is lost
     rows = [r for r in data.rows if leader[-1].started <= r["time/unix"] <= covered_until]
     assert rows
+    received = {s["step"]: s["end"] for s in leader[-1].of("wait")}
     for row in rows:
         assert tl.trainer_idle_ratio(leader, row["time/unix"]) == pytest.approx(
             row["trainer/idle_ratio"], abs=IDLE_TOL
         ), row["step"]
         # The logged rollout ratio is the one its latest received group carried, stamped as
-        # its generation ended: before the leader last took in samples for this step.
-        (received,) = [s["end"] for s in leader[-1].of("wait") if s["step"] == row["step"]]
-        ends = [s["end"] for s in rollout.of("generate") if s["end"] <= received]
+        # its generation ended. The leader takes groups in only while it waits for a step's
+        # samples, so that group's generation ended before this step's wait did, and after
+        # the previous step's (or it is the last one that ended before it: none arrived).
+        # Early in an attempt the ratio moves fast from one group to the next, so every
+        # generation of the window is a candidate, not just the last ones.
+        until = received[row["step"]]
+        since = received.get(row["step"] - 1, leader[-1].started)
+        ends = [s["end"] for s in rollout.of("generate") if s["end"] <= until]
         if not ends:  # trained on groups restored from the checkpoint, stamped before it
             continue
-        near = [tl.idle_ratio(rollout, t) for t in ends[-2:]]
+        window = [t for t in ends if t > since] + [t for t in ends if t <= since][-1:]
+        near = [tl.idle_ratio(rollout, t) for t in window]
         assert min(abs(r - row["rollouter/idle_ratio"]) for r in near) <= IDLE_TOL, row["step"]
 
 
