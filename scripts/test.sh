@@ -19,7 +19,8 @@ bash scripts/install.sh --with-vllm  # CI runs the vLLM tests on its CPU build
 $PYTHON -m ruff check .
 $PYTHON -m ruff format --check .
 set +e
-$PYTHON -m pytest "$@"
+# the slowest tests are listed at the end (the suite should stay under 20 minutes)
+$PYTHON -m pytest --durations=25 "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then

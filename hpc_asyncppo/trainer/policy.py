@@ -481,9 +481,12 @@ def ppo_update(policy: Policy, batch: dict[str, torch.Tensor]) -> dict[str, floa
     A stop signal (any trainer rank's, agreed on before each micro-batch) abandons the step
     while no optimizer step has been taken: its gradients are dropped, the weights, the
     optimizer and the LR schedule are as before it, and it returns None (the leader puts
-    the batch back). The wait from a signal to the step's end is then one micro-batch,
-    whatever the response length. Once an optimizer step is taken (several mini-batches
-    or epochs) the step finishes: the budget is the rest of the step."""
+    the batch back). The wait from a signal to the step's end is then the micro-batch in
+    progress: with ``actor.use_dynamic_bsz`` at most ``ppo_max_token_len_per_gpu`` tokens,
+    whatever the response length (``scripts/bench_stop_latency.py --token-budgets``);
+    without it, the rank's whole shard (``ppo_micro_batch_size_per_gpu=0``) or that many
+    rows. Once an optimizer step is taken (several mini-batches or epochs) the step
+    finishes: the budget is the rest of the step."""
     actor = policy.cfg.actor
     plans = mini_batch_plans(policy, batch)
     try:
