@@ -297,25 +297,47 @@ def test_old_log_probs_from_the_training_forward_give_the_same_loss_and_gradient
         np.testing.assert_allclose(grads_a[name], grads_b[name], rtol=1e-6, atol=1e-9, err_msg=name)
 
 
-def test_a_stop_signal_abandons_the_update_and_leaves_no_trace(tiny_model_dir):
-    """A stop signal before the step's optimizer step: ppo_update returns None and the
-    weights, AdamW's state and the LR schedule are as before, so the same batch trained
-    after a resume gives exactly the update an uninterrupted run makes."""
+@pytest.mark.parametrize("when", ["before", "mid_update"])
+def test_a_stop_signal_abandons_the_update_and_leaves_no_trace(tiny_model_dir, when):
+    """A stop signal before the step's optimizer step (before the update, or during its
+    first micro-batch of several: micro-batches by token budget): ppo_update returns None
+    at the next micro-batch boundary, and the weights, AdamW's state and the LR schedule
+    are as before, so the same batch trained after a resume gives exactly the update an
+    uninterrupted run makes."""
     from hpc_asyncppo.runtime import signals
 
-    sections = {"actor": {"lr_warmup_steps": 3, "lr_scheduler": "cosine"}}
-    a, b = one_rank_policy(tiny_model_dir, **sections), one_rank_policy(tiny_model_dir, **sections)
+    actor = {"lr_warmup_steps": 3, "lr_scheduler": "cosine"}
+    if when == "mid_update":
+        actor |= {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 24}
+    a, b = (
+        one_rank_policy(tiny_model_dir, actor=actor),
+        one_rank_policy(tiny_model_dir, actor=actor),
+    )
     batch = make_batch(seed=4)
+    forwards = []
+
+    def signal_in_first_forward(module, args, output):
+        forwards.append(1)
+        if len(forwards) == 1:
+            os.kill(os.getpid(), signal.SIGUSR2)
+
     previous = {sig: signal.getsignal(sig) for sig in signals.STOP_SIGNALS}
     try:
         signals.install_stop_handlers()
-        os.kill(os.getpid(), signal.SIGUSR2)
-        assert signals.stop_requested() == "SIGUSR2"
+        if when == "before":
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert signals.stop_requested() == "SIGUSR2"
+        hook = b.module.register_forward_hook(signal_in_first_forward)
         assert ppo_update(b, to_tensors(batch, CPU)) is None
+        hook.remove()
     finally:
         signals.forget_stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    # abandoned at the first boundary: before any forward, or after the first micro-batch
+    assert len(forwards) == (0 if when == "before" else 1)
+    if when == "mid_update":
+        assert len(mini_batch_plans(b, to_tensors(batch, CPU))[0]) > 2
     assert b.schedule.updates == 0 and not b.optimizer.state
     assert all(p.grad is None for p in b.module.parameters())
     assert ppo_update(a, to_tensors(batch, CPU)) == ppo_update(b, to_tensors(batch, CPU))
