@@ -130,6 +130,26 @@ def main() -> None:
             f"  {m['staleness']:9.2f}  {m['final_reward']:.3f}  "
             f"{fmt(ratios[0], '.2f')}x {fmt(ratios[1], '.2f')}x"
         )
+    # Time to reward from the first sync = steps to reach it x seconds per step: a mode's
+    # time against sync's is the product of the two ratios below. Sync's seconds per step
+    # are generation plus update, fully_async's at best the longer of the two (the trainer
+    # is the bottleneck when its idle ratio is low), so its per-step ratio is above
+    # update / (generation + update); stale samples show in the steps ratio.
+    print("mode            steps to reward  s per step  steps / sync's  s per step / sync's")
+    per_step = {
+        name: [r["from_sync_s"] / r["step"] if r["step"] else None for r in rs]
+        for name, rs in results.items()
+    }
+    base_steps = median([r["step"] for r in results["sync"]])
+    base_per_step = median(per_step["sync"])
+    for name, rs in results.items():
+        steps, seconds = median([r["step"] for r in rs]), median(per_step[name])
+        steps_ratio = steps / base_steps if steps and base_steps else None
+        step_ratio = seconds / base_per_step if seconds and base_per_step else None
+        print(
+            f"{name:14s} {fmt(steps, '16.1f')}  {fmt(seconds, '10.4f')}  "
+            f"{fmt(steps_ratio, '13.2f')}x  {fmt(step_ratio, '18.2f')}x"
+        )
 
 
 if __name__ == "__main__":

@@ -158,6 +158,7 @@ class VLLMEngine:
             else GlooWeightPush(self.llm, rollout.tensor_parallel_size)
         )
         self.died: str | None = None  # why vLLM's engine process ended under us, if it did
+        self._watched = threading.Event()  # set once ``died`` says why
         self._closing = False
         threading.Thread(target=self._watch, daemon=True, name="vllm-engine-watch").start()
 
@@ -333,6 +334,7 @@ class VLLMEngine:
         else:
             how = "exit code unknown" if code is None else f"exit code {code}"
         self.died = f"vLLM's engine process {gone.name} (pid {gone.pid}) died ({how})"
+        self._watched.set()
         client = self.llm.engine_core
         error = RuntimeError(self.died)
         for future in list(getattr(client, "utility_results", {}).values()):
@@ -349,6 +351,10 @@ class VLLMEngine:
         try:
             return call(*args)
         except Exception:
+            # vLLM's client may fail a call on the dead engine before the watch has its
+            # exit status: wait for it (it reaps the process within seconds)
+            if not self.died and any(not p.is_alive() for p in self.engine_processes()):
+                self._watched.wait(timeout=10)
             if self.died:
                 raise RuntimeError(self.died) from None
             raise

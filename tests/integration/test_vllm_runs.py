@@ -115,19 +115,18 @@ def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int) -> None:
         time.sleep(0.1)
 
 
-def test_partial_rollout_in_flight_updates_stop_signals_and_a_dead_engine(tmp_path):
+def test_partial_rollout_in_flight_updates_and_stop_signals(tmp_path):
     """Two rollout ranks on vLLM, long responses, a sync every step, partial rollout and
-    in-flight weight updates, in three attempts:
+    in-flight weight updates, in two attempts:
 
     1. As under Slurm, the stop signal reaches every process of the job, vLLM's engine
        processes included: they ignore USR2 and SIGTERM; the rollout ranks cut their
        groups mid-response into the checkpoint and shut vLLM down themselves.
-    2. Resumed, then vLLM's engine core of rollout rank 1 is killed: the job ends within a
-       bounded time, naming the dead process (no rank waits on it forever).
-    3. Resumed again from the checkpoint of 1, the run finishes: the cut groups continued
-       from their tokens, groups cut by syncs finished under newer weights (versions
-       that changed mid-response), and every sample was trained once with its true
-       staleness."""
+    2. Resumed, the run finishes: the cut groups continued from their tokens, groups cut
+       by syncs finished under newer weights (versions that changed mid-response), and
+       every sample was trained once with its true staleness.
+
+    A vLLM engine process that dies under a rank: tests/rollout/test_vllm_engine.py."""
     run_dir = tmp_path / "run"
     steps = 6
     args = [*VLLM, "async_training.partial_rollout=true",
@@ -152,25 +151,12 @@ def test_partial_rollout_in_flight_updates_stop_signals_and_a_dead_engine(tmp_pa
             cut += reader.get("partial") or []
     assert any(0 < int(g["response_lengths"].max()) < 96 for g in cut), cut
 
-    proc = launch(run_dir, "--resume", str(run_dir))
-    wait_for_steps(proc, run_dir, len(read_jsonl(run_dir / "metrics.jsonl")) + 1)
-    (killed,) = [  # the engine core (the worker is its child)
-        pid
-        for pid in vllm_processes(run_dir, 1)
-        if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::EngineCore")
-    ]
-    os.kill(killed, signal.SIGKILL)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0, out + err
-    assert f"(pid {killed}) died (signal SIGKILL)" in err, err
-
     done = subprocess.run(
         [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", "--resume", str(run_dir)],
         cwd=REPO, capture_output=True, text=True, timeout=420,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    # attempt 2 ended without a checkpoint: what it sent was generated again
-    trained = check_audit(run_dir, sync_every=1, max_staleness=4, partial=True, resent=True)
+    trained = check_audit(run_dir, sync_every=1, max_staleness=4, partial=True)
     uids = [r["uid"] for r in trained]
     assert len(uids) == len(set(uids)) == steps * 4 * 8
     spanning = [r for r in trained if r["param_version_end"] > r["param_version_start"]]

@@ -1,5 +1,6 @@
 """The vLLM engine on this machine's CPU, for real: log-probs against the trainer's, weight
-updates through vLLM's weight-transfer path, and partial rollout across an update.
+updates through vLLM's weight-transfer path, partial rollout across an update, and a dead
+engine process.
 
 vLLM's CPU attention has no kernel for the default tiny model's head size (64 / 4 heads =
 16), so these tests build the same tiny Llama with 2 heads (head size 32). One engine serves
@@ -9,7 +10,11 @@ the whole module (starting one takes ~30 s here); each test loads the weights it
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -254,3 +259,26 @@ def test_greedy_groups_beside_sampled_ones_match_the_hf_engines_greedy(engine, m
         assert (greedy.response_ids == greedy.response_ids[0]).all()
         assert greedy.response_ids[0].tolist() == expected[i].response_ids[0].tolist()
         assert done[("sampled", i)].response_ids.shape == (N, RESPONSE_LENGTH)
+
+
+def test_a_dead_engine_process_fails_the_waiting_step(engine, model_dir):
+    """LAST in the module: it kills the module's engine. vLLM's engine core killed while
+    the engine generates: the step waiting for its output raises within seconds, naming the
+    process and the signal (vLLM's own client would wait on forever), and every later call
+    raises the same; closing the dead engine still returns."""
+    policy = Policy(make_cfg(model_dir, 0.7), CPU)
+    engine.load_weights({n: t.clone() for n, t in policy.named_weights()}, version=0)
+    (core,) = [p for p in engine.engine_processes() if p.name.startswith("EngineCore")]
+    prompt = engine.encode("3 1 4 =")
+    threading.Timer(0.5, os.kill, (core.pid, signal.SIGKILL)).start()
+    deadline = time.monotonic() + 60
+    # the exit status is unknown when vLLM's own shutdown reaped the process first
+    died = rf"EngineCore\w* \(pid {core.pid}\) died \((signal SIGKILL|exit code unknown)\)"
+    with pytest.raises(RuntimeError, match=died):
+        for i in itertools.count():  # keep it generating until the kill lands
+            assert time.monotonic() < deadline, "no error 60 s after the engine core died"
+            if not engine.in_flight:
+                engine.submit(i, prompt, N)
+            engine.step()
+    with pytest.raises(RuntimeError, match=died):
+        engine.interrupt()  # the checkpoint's first call on a stop
