@@ -102,17 +102,22 @@ def one_run(
             proc.send_signal(signal.SIGTERM)
             proc.communicate(timeout=600)
         marker = json.loads((run_dir / "preempted").read_text())
-        # In an update: the wait for the batch of the step after the last trained one ended
-        # before the signal. Its span is written when the leader's timeline is closed, a few
-        # seconds after the checkpoint; there is none if the signal came between two steps.
-        waits: list[dict] = []
+        # In an update: one abandoned (the wait for the batch of the step after the last
+        # trained one ended before the signal), or one that ran to its end because the
+        # signal came during its last micro-batch (the signal inside the last step's train
+        # span). The leader's last spans are written when its timeline is closed, a few
+        # seconds after the checkpoint.
+        received = marker["time"] - marker["checkpoint/stop_latency_s"]  # the leader's receipt
+        step = marker["step"]
+        in_update = False
         settled = time.monotonic() + 20
-        while not waits and time.monotonic() < settled:
-            waits = [s for s in leader_spans(run_dir, "wait") if s["step"] == marker["step"] + 1]
+        while not in_update and time.monotonic() < settled:
+            waits = [s for s in leader_spans(run_dir, "wait") if s["step"] == step + 1]
+            trains = [s for s in leader_spans(run_dir, "train") if s["step"] == step]
+            in_update = any(s["end"] <= received for s in waits) or any(
+                s["start"] <= received <= s["end"] for s in trains
+            )
             time.sleep(FLUSH_EVERY_S)
-        # the leader's receipt of the signal (Slurm delivers it some 0.1 s after scancel)
-        received = marker["time"] - marker["checkpoint/stop_latency_s"]
-        in_update = bool(waits) and waits[-1]["end"] <= received
     finally:
         if job_id is not None:
             subprocess.run(["scancel", job_id], check=False)
@@ -161,7 +166,7 @@ def main() -> None:
                     length, args.steps_before, Path(tmp), args.cluster, overrides, args.during
                 )
                 results[budget, length].append((latency, per_step, in_update))
-                where = "during an update" if in_update else "while waiting for samples"
+                where = "during an update" if in_update else "outside an update"
                 print(f"budget {budget:6d}  length {length:5d}  run {repeat}: stop latency "
                       f"{latency:6.2f} s   {per_step:6.2f} s per step   signal {where}",
                       flush=True)  # fmt: skip
