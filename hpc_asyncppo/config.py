@@ -164,9 +164,10 @@ class AlgorithmConfig:
     )
     gamma: float = 1.0  # GAE discount
     lam: float = 1.0  # GAE lambda
-    # none | token | sequence: truncated importance sampling against the rollout's log-probs
-    # (the recipes turn it on with staleness_threshold 0.5; see staleness_threshold)
-    rollout_is: str = "none"
+    # none | token | sequence: truncated importance sampling against the rollout's log-probs.
+    # token by default: it corrects for the samples generated ahead of the trainer
+    # (staleness_threshold 0.5), at no extra forward pass (see staleness_threshold).
+    rollout_is: str = "token"
     rollout_is_threshold: float = 2.0  # truncation threshold of the importance weights
     # none | token | sequence | geometric: mask out tokens (token) or whole responses whose
     # ratio pi_old / pi_rollout (per token, product, geometric mean) is outside the bounds
@@ -194,11 +195,13 @@ class AsyncTrainingConfig:
         "fully_async"  # fully_async | sync (on-policy baseline: staleness 0, sync every step)
     )
     # Extra fraction of samples the rollout may generate ahead of the trainer (verl's knob).
-    # Measured on the default task (scripts/bench_time_to_reward.py, BENCHMARKS.md): 0.5 with
-    # algorithm.rollout_is=token doubles throughput over sync and idles each side <= 13%,
-    # but reaches reward 0.8 only ~10% sooner than 0.1 and ends lower and noisier at 300
-    # steps (0.77 in one run, below the default job's 0.8): the default stays 0.1.
-    staleness_threshold: float = 0.1
+    # 0.5 by default, with algorithm.rollout_is=token, measured on the default task
+    # (scripts/bench_time_to_reward.py, BENCHMARKS.md, 6 seeds over two runs): it reaches
+    # reward 0.8 5-10% sooner than 0.1 (verl's example), at 2.2x sync's samples/s against
+    # 1.7x, trainer idle 5% against 23% (0.1 stalls both sides at each version boundary).
+    # Its staler samples cost steps (1.3x sync's to 0.8, against 1.04x at 0.1); both end
+    # the default 300 steps between 0.8 and 1.0, seed to seed.
+    staleness_threshold: float = 0.5
     trigger_parameter_sync_step: int = 4  # trainer steps between weight syncs (verl)
     require_batches: int = 1  # mini-batches per trainer step (verl)
     partial_rollout: bool = (
@@ -456,14 +459,14 @@ def _check_combinations(cfg: Config) -> None:
             f"rollout.engine=vllm with rollout.top_p={cfg.rollout.top_p} / rollout.top_k="
             f"{cfg.rollout.top_k}: vLLM's log-probs are then over the truncated distribution, the "
             "trainer's over the full one, and this config uses them (use_rollout_log_probs, "
-            "rollout_is or rollout_rs); set rollout.top_p=1.0 rollout.top_k=0, "
+            "rollout_is, token by default, or rollout_rs); set rollout.top_p=1.0 rollout.top_k=0, "
             "or algorithm.rollout_is=none"
         )
     if cfg.async_training.use_rollout_log_probs and algo.rollout_is != "none":
         raise ConfigError(
             f"async_training.use_rollout_log_probs=true with algorithm.rollout_is="
             f"{algo.rollout_is}: the importance weights would compare the rollout's "
-            "log-probs with themselves (all 1); set algorithm.rollout_is=none"
+            "log-probs with themselves (all 1); set algorithm.rollout_is=none (token by default)"
         )
     if cfg.async_training.use_rollout_log_probs and algo.rollout_rs != "none":
         raise ConfigError(

@@ -10,8 +10,8 @@ from hpc_asyncppo.config import CONFIG_DIR, Config, ConfigError, load_config, lo
 def test_defaults_validate_and_derive_verl_quantities():
     cfg = load_config()
     assert cfg.required_groups == cfg.actor.ppo_mini_batch_size * cfg.async_training.require_batches
-    # verl: required * (1 + staleness_threshold) * trigger_parameter_sync_step = 16 * 1.1 * 4
-    assert cfg.max_required_groups == 70
+    # verl: required * (1 + staleness_threshold) * trigger_parameter_sync_step = 16 * 1.5 * 4
+    assert cfg.max_required_groups == 96
     assert cfg.sync_every == 4
 
 
@@ -293,7 +293,8 @@ def test_combinations_that_can_be_right_load_with_a_warning():
     from hpc_asyncppo.config import config_warnings
 
     vllm = ["rollout.engine=vllm", "model.tiny.num_heads=2"]
-    cfg = load_config(overrides=[*vllm, "rollout.top_p=0.9"])  # rollout log-probs unused
+    # rollout log-probs unused: no correction, no rollout log-probs as old ones
+    cfg = load_config(overrides=[*vllm, "rollout.top_p=0.9", "algorithm.rollout_is=none"])
     assert [w for w in config_warnings(cfg) if "truncated" in w]
     # two GPUs per rank for TP 2: fine
     load_config(overrides=[*vllm, "rollout.tensor_parallel_size=2",

@@ -30,10 +30,9 @@ IDLE_TOL = 0.02
 KILLED_TOTAL_STEPS = 200  # killed long before the end
 
 
-# A staleness budget of 0.1 (the default; the recipes' 0.5 would not do) keeps the leader's
-# queue shallow, so that the groups received for a step are generated just before the
-# leader waits for them: the idle-ratio check below finds the group whose stamp the step
-# logged among the last two.
+# A staleness budget of 0.1 (not the default 0.5) keeps the leader's queue shallow, so that
+# the groups received for a step are generated just before the leader waits for them: the
+# idle-ratio check below finds the group whose stamp the step logged in its wait window.
 SHALLOW_QUEUE = ["async_training.staleness_threshold=0.1", "algorithm.rollout_is=none"]
 
 
