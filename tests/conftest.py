@@ -1,6 +1,6 @@
 """Fixtures shared by every test folder: the tiny model, built once per session (and the
 cache that runs copy it from), and the rollout-vs-trainer log-prob comparison every engine
-test makes."""
+test makes, and the environment every vLLM test runs vLLM in."""
 
 from __future__ import annotations
 
@@ -20,6 +20,21 @@ from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.batch import collate, to_tensors
 from hpc_asyncppo.trainer.policy import Policy
 from hpc_asyncppo.transport.samples import SampleGroup
+
+
+def vllm_environment(root: Path) -> dict[str, str]:
+    """The environment a vLLM test sets: offline, no torch.compile (20 s for vLLM's log-prob
+    helper), a 1 GiB KV cache, and every cache and temp file under ``root`` (made here)."""
+    (root / "tmp").mkdir(parents=True, exist_ok=True)
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "TORCH_COMPILE_DISABLE": "1",
+        "VLLM_CACHE_ROOT": str(root / "vllm_cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+        "TMPDIR": str(root / "tmp"),
+    }
 
 
 def free_port() -> int:

@@ -6,7 +6,6 @@ one line and leaves nothing behind; the export's memory stays far below the mode
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from hpc_asyncppo.models.tiny import build_tokenizer
 from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.policy import Policy
 from hpc_asyncppo.trainer.trainer import write_trainer_part
+from tests.conftest import vllm_environment
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -164,17 +164,8 @@ def test_vllm_loads_the_export_and_generates_the_trainers_log_probs(
     pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh --with-vllm)")
     from hpc_asyncppo.rollout.vllm_engine import VLLMEngine
 
-    for key, value in {
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "TORCH_COMPILE_DISABLE": "1",
-        "VLLM_CACHE_ROOT": str(tmp_path / "vllm_cache"),
-        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-        "TMPDIR": str(tmp_path / "tmp"),
-    }.items():
+    for key, value in vllm_environment(tmp_path).items():
         monkeypatch.setenv(key, value)
-    os.makedirs(tmp_path / "tmp", exist_ok=True)
     out = tmp_path / "hf"
     assert export(run_dir, out).returncode == 0
     rollout = RolloutConfig(engine="vllm", n=4, response_length=8)

@@ -20,6 +20,7 @@ from hpc_asyncppo.checkpoint.protocol import list_checkpoints
 from hpc_asyncppo.checkpoint.store import CheckpointReader
 from hpc_asyncppo.launch.rundir import read_rank_info
 from hpc_asyncppo.runlog import read_jsonl
+from tests.conftest import vllm_environment
 from tests.integration.test_local_runs import check_audit, check_weights_match, submit
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh --with-vllm)")
@@ -38,18 +39,8 @@ VLLM = [
 
 @pytest.fixture(autouse=True)
 def vllm_env(tmp_path, monkeypatch):
-    """Offline, no torch.compile (20 s for vLLM's log-prob helper), caches in the test folder."""
-    for key, value in {
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "TORCH_COMPILE_DISABLE": "1",
-        "VLLM_CACHE_ROOT": str(tmp_path / "vllm_cache"),
-        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-        "TMPDIR": str(tmp_path / "tmp"),
-    }.items():
+    for key, value in vllm_environment(tmp_path).items():
         monkeypatch.setenv(key, value)
-    os.makedirs(tmp_path / "tmp", exist_ok=True)
 
 
 def mean_reward(metrics: list[dict], steps: range) -> float:

@@ -29,6 +29,7 @@ from hpc_asyncppo.models.tiny import build_tiny_model
 from hpc_asyncppo.rollout.generation import Generation
 from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.policy import Policy
+from tests.conftest import vllm_environment
 
 CPU = torch.device("cpu")
 TOLERANCE = 1e-4  # fp32, vLLM's oneDNN kernels against transformers' eager ones
@@ -42,16 +43,7 @@ MAX_NUM_SEQS = 8
 def vllm_env(tmp_path_factory: pytest.TempPathFactory):
     """Offline, no torch.compile, every cache and temp file under a test folder."""
     root = tmp_path_factory.mktemp("vllm")
-    values = {
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "TORCH_COMPILE_DISABLE": "1",
-        "VLLM_CACHE_ROOT": str(root / "cache"),
-        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
-        "TMPDIR": str(root / "tmp"),
-    }
-    (root / "tmp").mkdir()
+    values = vllm_environment(root)
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     yield root
