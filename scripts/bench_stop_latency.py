@@ -36,19 +36,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpc_asyncppo import timeline as tl
 from hpc_asyncppo.runlog import read_jsonl
-from hpc_asyncppo.timeline import FLUSH_EVERY_S
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def leader_spans(run_dir: Path, kind: str) -> list[dict]:
-    """The trainer leader's flushed spans of one kind (its timeline is the one with trains)."""
-    for path in sorted((run_dir / "timeline").glob("rank*.jsonl")):
-        rows = read_jsonl(path)
-        if any(r.get("span") == "train" for r in rows):
-            return [r for r in rows if r.get("span") == kind]
-    return []
+    """The trainer leader's flushed spans of one kind (the lowest trainer rank's session)."""
+    sessions = tl.read_timeline(run_dir)
+    trainers = [r for r, s in sessions.items() if s and s[-1].role == "trainer"]
+    return sessions[min(trainers)][-1].of(kind) if trainers else []
 
 
 def one_run(
@@ -117,7 +115,7 @@ def one_run(
             in_update = any(s["end"] <= received for s in waits) or any(
                 s["start"] <= received <= s["end"] for s in trains
             )
-            time.sleep(FLUSH_EVERY_S)
+            time.sleep(tl.FLUSH_EVERY_S)
     finally:
         if job_id is not None:
             subprocess.run(["scancel", job_id], check=False)

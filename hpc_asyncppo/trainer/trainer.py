@@ -149,7 +149,7 @@ class TrainerLeader:
             self.send_shards(shards[1:], {"step": self.step + 1})
             stats = ppo_update(self.policy, to_tensors(shards[0], self.topo.device))
             if stats is None:  # a stop signal abandoned the update: its groups go back
-                self.put_back(groups)
+                self.put_back()
                 stopped_by = stop_requested()
                 break
             self.step += 1
@@ -285,11 +285,12 @@ class TrainerLeader:
         self.batch_encoded = kept
         return batch
 
-    def put_back(self, batch: list[SampleGroup]) -> None:
-        """A batch whose update was abandoned returns to the front of the queue, as if
-        never taken (its drops stay recorded: they were decided)."""
+    def put_back(self) -> None:
+        """The last batch taken, whose update was abandoned, returns to the front of the
+        queue as if never taken (its drops stay recorded: they were decided)."""
         self.queue.push_front(self.batch_encoded)
-        self.credits.consumed(trained=-len(batch), dropped=0)  # queued again, not trained
+        # queued again, not trained
+        self.credits.consumed(trained=-len(self.batch_encoded), dropped=0)
 
     def refills_per_step(self) -> float:
         """Groups dynamic sampling may drop (and have refilled) while collecting one step:
