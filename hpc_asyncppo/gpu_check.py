@@ -208,7 +208,7 @@ def check_weight_sync_via_host(device: torch.device, work: Path, steps: int = 30
     run_dir = run_default_job(device, work, steps)
     log = (run_dir / "logs" / "rank0.log").read_text()
     on = "cuda:0" if device.type == "cuda" else "cpu"
-    assert f"rollout rank on {on}; weights travel via cpu" in log, "sync did not go via the host"
+    assert f"rollout rank on {on}; weights travel over gloo" in log, "sync did not go via the host"
     ranks = [json.loads((run_dir / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["gpus"] == ranks[1]["gpus"], f"roles on different GPUs: {ranks}"
     leader = {r["version"]: r["digest"] for r in read_jsonl(run_dir / "weights" / "rank1.jsonl")}

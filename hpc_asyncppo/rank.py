@@ -69,10 +69,11 @@ def main(argv: list[str]) -> int:
 
         startup.resume_collection()
         startup.mark(f"{role} modules imported")
-        topo = build_topology(rollout_rank_count(), cfg.timeouts.weight_sync_s)
+        workers = cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
+        topo = build_topology(rollout_rank_count(), cfg.timeouts.weight_sync_s, workers)
         startup.mark("topology built")
         logging.getLogger(__name__).info(
-            "%s rank on %s; weights travel via %s", role, topo.device, topo.sync_device
+            "%s rank on %s; weights travel over %s", role, topo.device, topo.weights.backend
         )
         checkpoint = find_resume_checkpoint(run_dir, topo)
         write_rank_info(run_dir, rank, size, role, "running", gpus)

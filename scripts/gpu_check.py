@@ -1,14 +1,17 @@
-"""GPU check of the vLLM rollout path: weight broadcast into vLLM and a few async steps.
+"""GPU check of the vLLM rollout path: weights from a trainer into vLLM's workers, and a few
+async steps.
 
 On a machine with CUDA GPUs and vLLM (bash scripts/gpu_check.sh runs hpc_asyncppo.gpu_check
 first, then this):
-  1. with 2+ GPUs, a trainer process (cuda:1) broadcasts the weights with NCCL through the
-     project's WeightBroadcaster to a rollout process (cuda:0), as in a run; with one GPU
-     the rollout process makes the tensors itself (NCCL refuses two ranks on one device);
-  2. the rollout process loads them into vLLM (CUDA-IPC weight-transfer engine, layerwise
-     reload, prefix-cache reset) and checks that sampling changed;
+  1. with 2+ GPUs, a trainer process (cuda:1) is rank 0 of the weight group and the vLLM
+     worker (cuda:0) its member, as in a run (NCCL; the rollout process only drives the
+     engine: ``join_weights``, ``update_weights``); with one GPU the rollout process sends
+     the weights itself (``VLLMEngine.load_weights``, gloo through host memory: NCCL
+     refuses two members on one device);
+  2. the worker loads them through vLLM's loader (layerwise reload, prefix-cache reset),
+     digests what it loaded, and sampling changes;
   3. a few async steps with partial rollout: generate, cut at a sync, resume.
-It prints tokens/s and sync (load) times. Without CUDA it exits with status 2 at once.
+It prints tokens/s and sync times. Without CUDA it exits with status 2 at once.
 
     python scripts/gpu_check.py [--model HF_FOLDER] [--prompts 64] [--n 8] [--tokens 256]
 """
@@ -20,7 +23,6 @@ import os
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -93,48 +95,36 @@ def perturbed(model_dir: Path, seed: int, device: torch.device) -> list[tuple[st
     return [(n, p.detach()) for n, p in model.named_parameters()]
 
 
-def process_group(rank: int, port: int):
-    import torch.distributed as dist
+def weight_group_spec(port: int):
+    from hpc_asyncppo.transport.weight_group import WeightGroupSpec
 
-    dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-        timeout=timedelta(seconds=300),
-    )  # fmt: skip
-    return dist.new_group([0, 1])
+    return WeightGroupSpec("127.0.0.1", port, world_size=2, backend="nccl", timeout_s=600)
 
 
 def trainer_process(model_dir: str, port: int, versions: int) -> None:
+    """Rank 0 of the weight group on cuda:1: the trainer leader's side of every sync."""
+    from hpc_asyncppo.runlog import WeightDigest
+    from hpc_asyncppo.transport.weight_group import open_weight_group
     from hpc_asyncppo.transport.weights import WeightBroadcaster
 
     torch.cuda.set_device(1)
-    group = process_group(1, port)
-    sender = WeightBroadcaster(group, src=1, bucket_mb=512, device=torch.device("cuda", 1))
+    group = open_weight_group(weight_group_spec(port), 0)
+    sender = WeightBroadcaster(group, 0, bucket_mb=512, device=torch.device("cuda", 1))
     for version in range(versions):
-        seconds = sender.broadcast(
-            version, perturbed(Path(model_dir), version, torch.device("cuda", 1))
-        )
-        print(f"trainer: broadcast v{version} in {seconds:.3f} s", flush=True)
+        digest = WeightDigest()
+        named = perturbed(Path(model_dir), version, torch.device("cuda", 1))
+        seconds = sender.broadcast(version, named, on_tensor=digest.add)
+        print(f"trainer: broadcast v{version} in {seconds:.3f} s, digest {digest.hexdigest()[:12]}",
+              flush=True)  # fmt: skip
 
 
 def rollout_process(args: argparse.Namespace, model_dir: Path, port: int, nccl: bool) -> int:
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     from hpc_asyncppo.config import ModelConfig, RolloutConfig
     from hpc_asyncppo.rollout.vllm_engine import VLLMEngine
-    from hpc_asyncppo.transport.weights import WeightReceiver
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(0)
-    receiver = WeightReceiver(process_group(0, port), src=1, device=device) if nccl else None
-
-    def next_weights(version: int) -> dict[str, torch.Tensor]:
-        start = time.monotonic()
-        if receiver is None:
-            tensors = dict(perturbed(model_dir, version, device))
-        else:
-            got, tensors = receiver.receive_all()
-            assert got == version, (got, version)
-        print(f"rollout: v{version} received in {time.monotonic() - start:.3f} s")
-        return tensors
 
     rollout = RolloutConfig(
         engine="vllm", n=args.n, response_length=args.tokens, gpu_memory_utilization=0.6
@@ -144,12 +134,21 @@ def rollout_process(args: argparse.Namespace, model_dir: Path, port: int, nccl: 
         ModelConfig(path=str(model_dir), dtype="bfloat16"), rollout, device, max_prompt_length=64
     )
     print(f"rollout: vLLM engine up in {time.monotonic() - start:.1f} s")
+    if nccl:
+        engine.join_weights(weight_group_spec(port), 1)
+
+    def next_weights(version: int) -> None:
+        start = time.monotonic()
+        if nccl:
+            update = engine.update_weights(version, digest=True)
+        else:
+            update = engine.load_weights(dict(perturbed(model_dir, version, device)), version, True)
+        print(f"rollout: v{version} in the worker in {time.monotonic() - start:.3f} s "
+              f"(paused {update.pause_s:.3f} s), digest {update.digests[0][:12]}")  # fmt: skip
+
     prompts = [engine.encode(f"{i % 10} {(i * 7) % 10} =") for i in range(args.prompts)]
 
-    tensors = next_weights(0)
-    start = time.monotonic()
-    engine.load_weights(tensors, version=0)
-    print(f"rollout: v0 loaded into vLLM in {time.monotonic() - start:.3f} s")
+    next_weights(0)
     start = time.monotonic()
     gens = engine.generate(prompts, args.n)
     tokens = sum(int(g.response_lengths.sum()) for g in gens)
@@ -163,12 +162,7 @@ def rollout_process(args: argparse.Namespace, model_dir: Path, port: int, nccl: 
         for _ in range(max(2, args.tokens // (args.syncs + 1))):
             done.update(engine.step())
         engine.interrupt()
-        tensors = next_weights(version)
-        t0 = time.monotonic()
-        engine.load_weights(tensors, version=version)
-        print(
-            f"rollout: v{version} loaded into vLLM in {time.monotonic() - t0:.3f} s (mid-generation)"
-        )
+        next_weights(version)  # mid-generation: the cut requests resume under it
     while engine.in_flight:
         done.update(engine.step())
     elapsed = time.monotonic() - start

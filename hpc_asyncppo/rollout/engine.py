@@ -8,7 +8,7 @@ pad token, lengths that count the EOS, log-probs 0 and versions -1 past the leng
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 import numpy as np
@@ -17,6 +17,8 @@ import torch
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup
 from hpc_asyncppo.rollout.hf_engine import HFEngine
+from hpc_asyncppo.transport.weight_group import WeightGroupSpec
+from hpc_asyncppo.transport.weights import WeightUpdate
 
 
 class RolloutEngine(Protocol):
@@ -63,25 +65,22 @@ class RolloutEngine(Protocol):
         """Sample n responses for every prompt, to completion."""
         ...
 
-    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None: ...
-
-    def load_buckets(
-        self,
-        specs: list[tuple[str, tuple[int, ...], torch.dtype]],
-        buckets: Iterable[dict[str, torch.Tensor]],
-        version: int,
-    ) -> None:
-        """Load one sync as it arrives: ``specs`` (name, shape, dtype of every tensor) first,
-        then the buckets, whose tensors are valid only until the next bucket is taken. A
-        sync that does not match the model is refused before anything is loaded."""
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Load a whole set of weights from this process (tests, tools: no weight group)."""
         ...
 
-    def weight_destination(self, name: str) -> torch.Tensor | None:
-        """Where a sync may write weight ``name`` in place as it arrives (hf: the
-        parameter's storage; vllm: None, its weights live in the engine's worker)."""
+    # A sync goes from the trainer leader to the engine's members of the weight group
+    # (``transport/weight_group.py``): hf, the rank itself; vllm, each of its workers.
+    stages_weights: bool  # True: receive_staged / load_staged may overlap generation (hf)
+
+    def join_weights(self, spec: WeightGroupSpec, first_rank: int) -> None:
+        """The engine's members join the weight group from rank ``first_rank`` on."""
         ...
 
-    def named_parameters(self) -> list[tuple[str, torch.Tensor]]: ...
+    def update_weights(self, expected: int, digest: bool = False) -> WeightUpdate:
+        """Receive the sync announced as version ``expected`` and load it, with no request
+        running; ``digest``: each member hashes what it loaded."""
+        ...
 
     def close(self) -> None: ...
 
@@ -97,6 +96,6 @@ def make_engine(cfg: Config, device: torch.device) -> RolloutEngine:
             device,
             max_prompt_length=cfg.data.max_prompt_length,
             seed=cfg.trainer.seed,
-            keep_loaded=cfg.trainer.record_weight_digests,
+            weight_sync_s=cfg.timeouts.weight_sync_s,
         )
     return HFEngine(cfg.model, cfg.rollout, device)

@@ -7,6 +7,7 @@ same quantity the trainer recomputes, so the two agree up to float error for equ
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable, Iterable
 
 import numpy as np
@@ -20,6 +21,14 @@ from hpc_asyncppo.rollout.generation import (
     PartialGroup,
     Response,
     ResponseGroup,
+)
+from hpc_asyncppo.runlog import weights_digest
+from hpc_asyncppo.transport.weight_group import WeightGroupSpec, open_weight_group
+from hpc_asyncppo.transport.weights import (
+    Background,
+    WeightReceiver,
+    WeightUpdate,
+    check_version,
 )
 
 
@@ -234,6 +243,44 @@ class HFEngine:
         """Load a whole set of weights at once (one bucket of everything)."""
         specs = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
         self.load_buckets(specs, [tensors], version)
+
+    # --- the weight group: this rank is its own (only) member ---------------------------
+    stages_weights = True  # a sync can be received while generating, into a staging copy
+
+    def join_weights(self, spec: WeightGroupSpec, first_rank: int) -> None:
+        """Join the weight group as rank ``first_rank``; blocks until the group has met."""
+        group = open_weight_group(spec, first_rank)
+        on = torch.device("cpu") if spec.backend == "gloo" else self.device
+        self.receiver = WeightReceiver(group, 0, on, target=self.device)
+
+    def update_weights(self, expected: int, digest: bool = False) -> WeightUpdate:
+        """Receive the next sync now and load it as it arrives: large tensors straight into
+        the parameters, the rest bucket by bucket (nothing beyond two buckets is held)."""
+        start = time.monotonic()
+        incoming = self.receiver.receive()
+        check_version(expected, incoming.version, "rollout rank")
+        buckets = incoming.buckets(into=self.weight_destination)
+        self.load_buckets(incoming.specs(), buckets, incoming.version)
+        return self._loaded(start, digest)
+
+    def receive_staged(self, staging: dict[str, torch.Tensor]) -> Background:
+        """Receive the next sync on a side thread into ``staging`` while generation goes
+        on (``WeightReceiver.receive_staged``); ``load_staged`` loads it."""
+        return self.receiver.receive_staged(staging)
+
+    def load_staged(
+        self, expected: int, received: tuple, staging: dict[str, torch.Tensor], digest: bool
+    ) -> WeightUpdate:
+        """Load a sync received by ``receive_staged`` (``received``: its result)."""
+        start = time.monotonic()
+        version, specs = received
+        check_version(expected, version, "rollout rank")
+        self.load_buckets(specs, [staging], version)
+        return self._loaded(start, digest)
+
+    def _loaded(self, start: float, digest: bool) -> WeightUpdate:
+        digests = [weights_digest(self.named_parameters()) if digest else ""]
+        return WeightUpdate(self.version, digests, time.monotonic() - start)
 
     def close(self) -> None:
         pass

@@ -11,15 +11,19 @@ place in the data of its own, so a run can resume on any number of rollout ranks
 Validation groups (VALIDATE, ``validation.py``) share the engine steps and go back to the
 leader apart; they are no part of a checkpoint, and a stop signal abandons them.
 
-A weight sync (SYNC) is announced between two engine steps. With in-flight weight updates
-(``async_training.inflight_weight_update``, fully_async) the rank receives it on a side
-thread into a staging copy of the weights while the engine goes on generating under the
-old ones, and loads the copy between two engine steps once it is complete; otherwise it
-receives it at once. Without partial rollout the groups in flight finish under the old
-weights first (no new group starts meanwhile) and are sent; with it they are cut, keep
-their tokens, and continue under the new weights (``param_version_end`` > start). Every
-token records the version that sampled it, so the staleness audit stays exact. Memory: the
-staging copy is one more copy of the weights in ``model.dtype`` on the rank's device.
+A weight sync (SYNC) is announced between two engine steps; the trainer leader's broadcast
+goes to the engine's members of the weight group (``transport/weight_group.py``: the rank
+itself for hf, every vLLM worker for vllm). Before the weights change, the groups in
+flight finish under the old weights (no new group starts meanwhile) and are sent, or with
+partial rollout they are cut, keep their tokens, and continue under the new weights
+(``param_version_end`` > start). vLLM then pauses between two steps while the sync streams
+into its workers (``sync/pause_s``): the rank holds no copy of the weights. With in-flight
+weight updates (``async_training.inflight_weight_update``, fully_async) the hf engine
+instead receives the sync on a side thread into a staging copy of the weights while it
+goes on generating under the old ones, and loads the copy between two engine steps once
+it is complete (memory: one more copy of the weights in ``model.dtype`` on the rank's
+device). Every token records the version that sampled it, so the staleness audit stays
+exact.
 
 A checkpoint (CHECKPOINT) cuts the groups in flight at once and writes them, with their
 tokens so far, log-probs and per-token versions, into this rank's part; they go on
@@ -36,7 +40,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +51,7 @@ from hpc_asyncppo.config import Config
 from hpc_asyncppo.rollout.engine import make_engine
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup
 from hpc_asyncppo.rollout.validation import Validator
-from hpc_asyncppo.runlog import record_weight_digest, sent_groups_writer, weights_digest
+from hpc_asyncppo.runlog import record_weight_digest, sent_groups_writer
 from hpc_asyncppo.runtime import startup
 from hpc_asyncppo.runtime.signals import forget_stop, stop_requested
 from hpc_asyncppo.runtime.topology import Topology
@@ -57,7 +60,8 @@ from hpc_asyncppo.tasks.overlong import usable_prompts
 from hpc_asyncppo.timeline import Timeline
 from hpc_asyncppo.transport.arrays import pack_arrays
 from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleSender
-from hpc_asyncppo.transport.weights import Background, WeightReceiver
+from hpc_asyncppo.transport.weight_group import member_rank
+from hpc_asyncppo.transport.weights import Background, WeightUpdate
 
 log = logging.getLogger(__name__)
 
@@ -72,22 +76,25 @@ class Rollouter:
         self.prompts: list[Prompt] = usable_prompts(self.task.prompts(), run_dir)
         self.engine = make_engine(cfg, topo.device)
         startup.mark("engine built")
+        self.engine.join_weights(topo.weights, member_rank(self.rank, 0, topo.workers_per_rank))
+        startup.mark("weight group joined")
+        self.record_digests = cfg.trainer.record_weight_digests
         # groups submitted to the engine: key -> (data epoch, position in prompts, version at start)
         self.in_flight: dict[tuple[int, int], tuple[int, int, int]] = {}
         self.granted: deque[int] = deque()  # draws (prompts) the leader granted, not started
         self.sender = SampleSender(topo.inter)
         self.validator = Validator(cfg, self.rank, topo.rollout_ranks, self.engine, self.sender)
-        self.weights = WeightReceiver(
-            topo.sync_group, src=topo.leader, device=topo.sync_device, target=topo.device
-        )
         self.version = -1  # no weights from the trainer yet
+        self.last_pause_s = 0.0  # the engine's pause for the last sync
         # in-flight weight updates: the sync being received on a side thread, its announced
         # version, and the staging copy it is received into (allocated once)
         self.pending: Background | None = None
         self.pending_version = -1
         self.staging: dict[str, torch.Tensor] = {}
         self.inflight_updates = (
-            cfg.async_training.inflight_weight_update and cfg.async_training.mode != "sync"
+            cfg.async_training.inflight_weight_update
+            and cfg.async_training.mode != "sync"
+            and self.engine.stages_weights
         )
         self.idle_s = 0.0
         self.started_at = time.monotonic()
@@ -143,11 +150,13 @@ class Rollouter:
             elif kind == Control.SYNC:
                 if self.inflight_updates and self.version >= 0:
                     self.load_pending_weights(wait=True)  # one sync at a time
-                    self.pending = self.weights.receive_staged(self.staging)
+                    self.pending = self.engine.receive_staged(self.staging)
                     self.pending_version = value
                     continue
                 self.before_new_weights()
-                self.receive_weights(expected=value)
+                start, wall_start = time.monotonic(), time.time()
+                update = self.engine.update_weights(value, self.record_digests)
+                self.weights_loaded(update, start, wall_start)
             elif kind == Control.CHECKPOINT:  # value: the step being checkpointed
                 self.engine.interrupt()  # the groups in flight go into the part, cut
                 self.write_checkpoint_part(value)
@@ -177,10 +186,13 @@ class Rollouter:
         if not wait and self.in_flight and not self.cfg.async_training.partial_rollout:
             return  # draining: the groups in flight finish under the weights they started
         start, wall_start = time.monotonic(), time.time()
-        version, specs = self.pending.result(self.cfg.timeouts.weight_sync_s)
+        received = self.pending.result(self.cfg.timeouts.weight_sync_s)
         self.pending = None
         self.before_new_weights()
-        self.load_weights(self.pending_version, version, specs, [self.staging], start, wall_start)
+        update = self.engine.load_staged(
+            self.pending_version, received, self.staging, self.record_digests
+        )
+        self.weights_loaded(update, start, wall_start)
 
     def finish_validation(self) -> None:
         """Run the validations asked for to their end; none after a stop signal (the
@@ -298,44 +310,31 @@ class Rollouter:
         report = pack_arrays({"unused": unused}, {**meta, "partial_groups": len(cut)})
         self.sender.send_state(report, self.cfg.timeouts.rank_wait_s)
 
-    def receive_weights(self, expected: int) -> None:
-        """Receive a sync now and load it as it arrives: large tensors straight into the
-        engine's parameters where it has them in this process (hf), the rest bucket by
-        bucket. The engine takes the whole sync before the loop steps it again: no
-        generation step runs on half-loaded weights."""
-        start, wall_start = time.monotonic(), time.time()
-        incoming = self.weights.receive()  # the header; the buckets stream into the engine
-        buckets = incoming.buckets(into=self.engine.weight_destination)
-        self.load_weights(expected, incoming.version, incoming.specs(), buckets, start, wall_start)
-
-    def load_weights(
-        self,
-        expected: int,
-        version: int,
-        specs: list,
-        buckets: Iterable[dict[str, torch.Tensor]],
-        start: float,
-        wall_start: float,
-    ) -> None:
-        if version != expected:
-            raise RuntimeError(
-                f"weight sync announced version {expected} but the broadcast carried {version}"
-            )
+    def weights_loaded(self, update: WeightUpdate, start: float, wall_start: float) -> None:
+        """After a sync: the version, the cut groups of a resume placed, digests recorded
+        (every member of this rank must have loaded the same weights)."""
         self._waiting_since = None  # loading weights is not waiting for credits
-        self.engine.load_buckets(specs, buckets, version)
         if self.version < 0:  # time counts from the first sync, as on the trainer
             self.started_at, self.idle_s = time.monotonic(), 0.0
             startup.mark("first weights loaded")
-        self.version = version
+        self.version, self.last_pause_s = update.version, update.pause_s
         if self.resumed:
             self.place_resumed_groups()
-        if self.cfg.trainer.record_weight_digests:
-            digest = weights_digest(self.engine.named_parameters())
-            record_weight_digest(self.run_dir, self.rank, version, digest)
+        if self.record_digests:
+            if len(set(update.digests)) != 1:
+                raise RuntimeError(
+                    f"rollout rank {self.rank}: its weight-group members loaded different "
+                    f"weights at version {update.version} (digests {update.digests})"
+                )
+            record_weight_digest(self.run_dir, self.rank, update.version, update.digests[0])
         log.info(
-            "rank %d: weights v%d loaded in %.3fs", self.rank, version, time.monotonic() - start
+            "rank %d: weights v%d loaded in %.3fs (engine paused %.3fs)",
+            self.rank,
+            update.version,
+            time.monotonic() - start,
+            update.pause_s,
         )
-        self.timeline.record("sync", wall_start, time.time(), version=version)
+        self.timeline.record("sync", wall_start, time.time(), version=update.version)
 
     def wait_a_moment(self) -> None:
         # Idle is the whole no-credit loop, its control polls included: under MPI's
@@ -385,6 +384,7 @@ class Rollouter:
             rollout_idle_s=self.idle_s,
             rollout_elapsed_s=time.monotonic() - self.started_at,
             tokens_regenerated=self.tokens_regenerated,
+            rollout_sync_pause_s=self.last_pause_s,
         )
 
 

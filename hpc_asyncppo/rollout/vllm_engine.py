@@ -13,13 +13,17 @@ quantity the trainer recomputes. (vLLM's default, ``raw_logprobs``, ignores the
 temperature.) With top_k or top_p on, vLLM reports the log-prob under the truncated
 distribution it sampled from, which the transformers engine and the trainer do not.
 
-Weights: the rollout rank receives the trainer's broadcast as before, then pushes the
-tensors into the worker through vLLM's weight-transfer API (``start_weight_update``,
-``update_weights``, ``finish_weight_update``): on CPU with our gloo engine
-(``vllm_worker.py``), on GPUs with vLLM's CUDA-IPC engine (the rollout rank and its vLLM
-worker share the GPU, and NCCL refuses two ranks on one device). With prefix caching on
-(``rollout.enable_prefix_caching``) the cache is reset after every update: cached KV
-blocks hold keys and values of the old weights.
+Weights: the engine's workers are members of the weight group (``vllm_worker.py``,
+``transport/weight_group.py``): ``join_weights`` has each of them join it, and
+``update_weights`` pauses generation between two steps while the trainer leader's
+broadcast streams into them (``start_weight_update``, ``update_weights``,
+``finish_weight_update`` through ``collective_rpc``; the workers check the version and
+load through vLLM's loader). This process holds no copy of the weights: the same code on
+GPUs (NCCL) and CPUs (gloo). With prefix caching on (``rollout.enable_prefix_caching``)
+the cache is reset after every update, and a reset vLLM refuses is an error: cached KV
+blocks hold keys and values of the old weights. A standalone engine (tests, benchmarks,
+``scripts/gpu_check.py``) takes weights from its own process through ``load_weights``:
+the same worker code, with this process as the group's sender.
 
 Capacity (``rollout.*``, verl's names): ``max_num_seqs`` and ``max_num_batched_tokens``
 per engine step (0: vLLM's defaults; chunked prefill stays on, so the token budget may be
@@ -41,7 +45,8 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Hashable, Iterable, Iterator
+import time
+from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -51,13 +56,17 @@ from transformers import AutoTokenizer
 from hpc_asyncppo.config import ModelConfig, RolloutConfig
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup, Response, ResponseGroup
 from hpc_asyncppo.runtime.signals import children_ignore_stop_signals
+from hpc_asyncppo.transport.weight_group import WeightGroupSpec, open_weight_group
+from hpc_asyncppo.transport.weights import WeightBroadcaster, WeightUpdate
 
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "hpc_asyncppo.rollout.vllm_worker.WorkerExtension"
 
 
-def set_vllm_environment(device: torch.device, cpu_kv_cache_gb: float) -> None:
+def set_vllm_environment(
+    device: torch.device, cpu_kv_cache_gb: float, tensor_parallel_size: int = 1
+) -> None:
     """Environment vLLM reads at engine start; values already set by the user win."""
     # The worker must live in a child process (see the module docstring), and a forked
     # child would inherit the MPI library's state and threads mid-flight: spawn it.
@@ -67,6 +76,10 @@ def set_vllm_environment(device: torch.device, cpu_kv_cache_gb: float) -> None:
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     if device.type == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cpu_kv_cache_gb:g}")
+        if tensor_parallel_size > 1:
+            # vLLM's CPU workers each bind to a NUMA node of their own and refuse to start
+            # with fewer nodes than workers (one on most machines): let the OS place them
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 def engine_kwargs(
@@ -105,14 +118,14 @@ class VLLMEngine:
         device: torch.device,
         max_prompt_length: int,
         seed: int = 0,
-        keep_loaded: bool = False,
+        weight_sync_s: float = 300.0,
     ):
-        set_vllm_environment(device, rollout.cpu_kv_cache_gb)
+        set_vllm_environment(device, rollout.cpu_kv_cache_gb, rollout.tensor_parallel_size)
         from vllm import EngineArgs, SamplingParams
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        from hpc_asyncppo.rollout.vllm_worker import GLOO_BACKEND, RANK_PID_ENV
+        from hpc_asyncppo.rollout.vllm_worker import BACKEND, RANK_PID_ENV
 
         self.cfg, self.device = rollout, device
         self.tokenizer = AutoTokenizer.from_pretrained(model.path)
@@ -120,12 +133,11 @@ class VLLMEngine:
         self.pad_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         )
-        on_gpu = device.type == "cuda"
         kwargs = engine_kwargs(model, rollout, device, max_prompt_length, seed)
         args = EngineArgs(
             **kwargs,
             worker_extension_cls=WORKER_EXTENSION,
-            weight_transfer_config={"backend": "ipc" if on_gpu else GLOO_BACKEND},
+            weight_transfer_config={"backend": BACKEND},
         )
         # vLLM's processes must outlive a stop signal sent to every process of the job (Slurm
         # does): they inherit "ignore" for it while they start, and our vLLM plugin
@@ -150,13 +162,10 @@ class VLLMEngine:
         self.groups: dict[Hashable, ResponseGroup] = {}
         self.running: dict[str, tuple[Hashable, int]] = {}  # request id -> (group key, response)
         self._ids = itertools.count()
-        self.keep_loaded = keep_loaded
-        self._loaded: dict[str, torch.Tensor] = {}
-        self.transfer = (
-            IPCWeightPush(self.llm)
-            if on_gpu
-            else GlooWeightPush(self.llm, rollout.tensor_parallel_size)
-        )
+        self.weight_sync_s = weight_sync_s
+        self.joined = False  # the workers are members of a weight group
+        self._sender: WeightBroadcaster | None = None  # standalone: this process sends
+        self.standalone_bucket_mb = 64.0  # standalone: the sender's bucket size
         self.died: str | None = None  # why vLLM's engine process ended under us, if it did
         self._watched = threading.Event()  # set once ``died`` says why
         self._closing = False
@@ -270,48 +279,83 @@ class VLLMEngine:
         return group.generation(self.cfg.response_length, self.pad_id)
 
     # --- weights ------------------------------------------------------------------------
-    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        """The tensors of the last update (kept only with ``keep_loaded``): vLLM's own copies
-        are repacked and cannot be read back under their checkpoint names."""
-        if not self.keep_loaded:
-            raise RuntimeError("VLLMEngine keeps the loaded weights only with keep_loaded=True")
-        return list(self._loaded.items())
+    stages_weights = False  # the workers receive a sync themselves, with generation paused
 
-    @torch.no_grad()
-    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Load a whole set of weights at once (one bucket of everything)."""
-        specs = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
-        self.load_buckets(specs, [tensors], version)
+    def join_weights(self, spec: WeightGroupSpec, first_rank: int) -> None:
+        """Every worker joins the weight group (TP worker w as ``first_rank + w``); blocks
+        until the whole group has met (bounded by ``spec.timeout_s``)."""
+        info = {**spec.as_dict(), "rank_offset": first_rank}
+        self._engine_call(self._rpc, "init_weight_transfer_engine", info)
+        self.joined = True
 
-    @torch.no_grad()
-    def weight_destination(self, name: str) -> torch.Tensor | None:
-        return None  # the weights live in vLLM's worker: buckets go through its transfer path
+    def update_weights(self, expected: int, digest: bool = False) -> WeightUpdate:
+        """Generation pauses while the next sync streams into the workers, announced as
+        version ``expected``; then cached KV blocks are dropped. No request may be running
+        (``interrupt`` or finish them first): their KV would mix two weight versions."""
+        self._check_idle()
+        start = time.monotonic()
+        self._engine_call(self._rpc, "start_weight_update")
+        self._engine_call(self._rpc, "update_weights", {"version": expected, "digest": digest})
+        self._engine_call(self._rpc, "finish_weight_update")
+        if self.cfg.enable_prefix_caching:
+            self._reset_prefix_cache()
+        last = self._engine_call(self._rpc, "hpc_asyncppo_last_sync")
+        self.version = expected
+        return WeightUpdate(expected, [w["digest"] for w in last], time.monotonic() - start)
 
-    def load_buckets(
-        self,
-        specs: list[tuple[str, tuple[int, ...], torch.dtype]],
-        buckets: Iterable[dict[str, torch.Tensor]],
-        version: int,
-    ) -> None:
-        """Load one sync into the vLLM worker(s) in place, bucket by bucket inside one
-        start/finish weight update, then drop cached KV blocks. Each bucket is pushed on as
-        it comes and not kept (except copies with ``keep_loaded``)."""
+    def _check_idle(self) -> None:
         if self.running:
             raise RuntimeError(
                 "load_weights with requests running: interrupt() or finish them first"
             )
-        if self.keep_loaded:
-            self._loaded = {}
-            buckets = self._kept(buckets)
-        self._engine_call(self.transfer.push, specs, buckets)
-        if self.cfg.enable_prefix_caching:  # cached KV blocks hold the old weights' keys
-            self.llm.reset_prefix_cache()
-        self.version = version
 
-    def _kept(self, buckets: Iterable[dict[str, torch.Tensor]]) -> Iterator[dict]:
-        for bucket in buckets:
-            self._loaded.update({name: t.clone() for name, t in bucket.items()})
-            yield bucket
+    def last_sync(self) -> list[dict]:
+        """Each worker's account of the last sync (``WorkerExtension.hpc_asyncppo_last_sync``)."""
+        return self._engine_call(self._rpc, "hpc_asyncppo_last_sync")
+
+    def _rpc(self, method: str, *args):
+        return self.llm.collective_rpc(method, timeout=self.weight_sync_s, args=args)
+
+    def _reset_prefix_cache(self) -> None:
+        """vLLM resets nothing while a KV block is still referenced (an aborted request's,
+        until the scheduler has freed it): step the engine and try again, then give up."""
+        for _ in range(10):
+            if self._engine_call(self.llm.reset_prefix_cache):
+                return
+            self._engine_call(self.llm.step)
+        raise RuntimeError(
+            "vLLM kept cached KV blocks of the old weights after a weight update "
+            "(reset_prefix_cache refused 10 times)"
+        )
+
+    @torch.no_grad()
+    def load_weights(
+        self, tensors: dict[str, torch.Tensor], version: int, digest: bool = False
+    ) -> WeightUpdate:
+        """Standalone engine: send ``tensors`` from this process into the workers, through
+        the same worker code as a job's sync (a private gloo group: this process is its
+        rank 0). Not for an engine that joined a job's weight group. Memory here: the
+        sender's two bucket buffers (``standalone_bucket_mb``), nothing per worker."""
+        if self.joined and self._sender is None:
+            raise RuntimeError("this engine takes its weights from the job's weight group")
+        self._check_idle()  # before anything goes on the wire
+        if self._sender is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            workers = self.cfg.tensor_parallel_size
+            spec = WeightGroupSpec("127.0.0.1", port, 1 + workers, "gloo", self.weight_sync_s)
+            with ThreadPoolExecutor(max_workers=1) as pool:  # both sides block to meet
+                joined = pool.submit(self.join_weights, spec, 1)
+                group = open_weight_group(spec, 0)
+                joined.result()
+            bucket_mb = self.standalone_bucket_mb
+            self._sender = WeightBroadcaster(group, 0, bucket_mb, torch.device("cpu"))
+        named = [(n, t.detach().cpu()) for n, t in tensors.items()]
+        sending = self._sender.broadcast_in_background(version, named)
+        update = self.update_weights(version, digest)
+        sending.result(self.weight_sync_s)
+        return update
 
     def _watch(self) -> None:
         """Wake this rank if vLLM's engine core dies. vLLM's client notices (it marks the
@@ -369,134 +413,7 @@ class VLLMEngine:
         which vLLM's shutdown sends: SIGINT asks it to stop the same way first, and its
         workers follow it out (they watch the engine core's pipe)."""
         self._closing = True
-        self.transfer.close()
         for proc in self.engine_processes():
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGINT)
         self.llm.engine_core.shutdown()
-
-
-def _update_info(tensors: dict[str, torch.Tensor]) -> dict:
-    return {
-        "names": list(tensors),
-        "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
-        "shapes": [list(t.shape) for t in tensors.values()],
-    }
-
-
-class GlooWeightPush:
-    """CPU: this process is rank 0 of a gloo group with the vLLM worker(s). Per bucket, the
-    workers receive its tensors inside one ``update_weights`` call while this process
-    broadcasts them one by one; the whole sync is one start/finish weight update."""
-
-    def __init__(self, llm, workers: int, timeout_s: float = 300.0):
-        from hpc_asyncppo.rollout.vllm_worker import open_group
-
-        self.llm = llm
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        info = {
-            "host": "127.0.0.1",
-            "port": port,
-            "world_size": 1 + workers,
-            "timeout_s": timeout_s,
-        }
-        # Both sides block in the rendezvous: the workers' half runs on a side thread.
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            joined = pool.submit(llm.collective_rpc, "init_weight_transfer_engine", args=(info,))
-            self.group = open_group("127.0.0.1", port, 0, 1 + workers, timeout_s)
-            joined.result()
-
-    def push(
-        self,
-        specs: list[tuple[str, tuple[int, ...], torch.dtype]],
-        buckets: Iterable[dict[str, torch.Tensor]],
-    ) -> None:
-        """``specs`` are unused here: each bucket announces its own tensors to the workers."""
-        self.llm.collective_rpc("start_weight_update")
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            for bucket in buckets:
-                received = pool.submit(
-                    self.llm.collective_rpc, "update_weights", args=(_update_info(bucket),)
-                )
-                for tensor in bucket.values():
-                    self.group.broadcast(tensor.detach().cpu().contiguous(), 0).wait()
-                received.result()
-        self.llm.collective_rpc("finish_weight_update")
-
-    def close(self) -> None:
-        self.group = None
-
-
-class IPCWeightPush:
-    """GPU: vLLM's CUDA-IPC engine maps the rollout rank's tensors into the worker(s) on the
-    same node, without a copy through host memory. Its packed mode copies the tensors, as
-    the source yields them, into one IPC buffer of ``buffer_bytes`` and ships each chunk, so
-    the source can be the stream of received buckets. UNTESTED here (no GPU)."""
-
-    def __init__(self, llm, buffer_bytes: int = 64 * 2**20):
-        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-
-        class StreamedTensors(WeightSource):
-            """The current sync: its specs up front, its tensors bucket by bucket."""
-
-            specs: list = []
-            buckets: Iterable[dict[str, torch.Tensor]] = ()
-
-            def metadata(self) -> list[ParamMeta]:
-                return [ParamMeta(n, dtype, tuple(shape)) for n, shape, dtype in self.specs]
-
-            def __iter__(self):
-                for bucket in self.buckets:
-                    yield from bucket.items()
-
-        self.buffer_bytes = buffer_bytes
-        self.source = StreamedTensors()
-        self.sender = WeightTransferTrainerFactory.trainer_init(
-            IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=buffer_bytes),
-            client=_RpcClient(llm),
-            source=self.source,
-        )
-
-    def push(
-        self,
-        specs: list[tuple[str, tuple[int, ...], torch.dtype]],
-        buckets: Iterable[dict[str, torch.Tensor]],
-    ) -> None:
-        # vLLM's packed mode refuses a tensor larger than its buffer: a large one sets it
-        largest = max(
-            (int(torch.Size(shape).numel()) * dtype.itemsize for _, shape, dtype in specs),
-            default=0,
-        )
-        self.sender.packed_buffer_size_bytes = max(self.buffer_bytes, largest)
-        # send_weights brackets the whole source in one start/finish weight update
-        self.source.specs, self.source.buckets = specs, buckets
-        try:
-            self.sender.send_weights()
-        finally:
-            self.source.specs, self.source.buckets = [], ()
-
-    def close(self) -> None:
-        self.sender.shutdown()
-
-
-class _RpcClient:
-    """vLLM's ``VLLMWeightSyncClient`` over the engine's collective_rpc."""
-
-    def __init__(self, llm):
-        self.llm = llm
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
-
-    def start_weight_update(self) -> None:
-        self.llm.collective_rpc("start_weight_update")
-
-    def update_weights(self, update_info) -> None:
-        self.llm.collective_rpc("update_weights", args=(update_info,))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.collective_rpc("finish_weight_update")

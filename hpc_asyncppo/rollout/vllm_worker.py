@@ -1,16 +1,30 @@
-"""Code that runs inside vLLM's processes: a CPU (gloo) weight-transfer engine, and the
-plugin that keeps vLLM's engine processes alive through the job's stop signals.
+"""Code that runs inside vLLM's worker processes: the weight group's receiving end, and
+the plugin that keeps vLLM's engine processes alive through the job's stop signals.
 
-vLLM ships weight-transfer engines for GPUs only (``nccl``, ``ipc``...). This module adds a
-``gloo`` one, so that on CPU the rollout rank (sender, rank 0) pushes new weights into its
-vLLM worker (rank 1..) through vLLM's own weight-update path. The module is vLLM's
-``worker_extension_cls``: the worker imports it before loading the model, which registers
-the engine with vLLM's factory in the worker process.
+Every vLLM worker (each tensor-parallel rank of every rollout rank) is a member of the
+weight group (``transport/weight_group.py``): the trainer leader broadcasts each sync
+straight into the workers, and the rollout rank that drives the engine only orchestrates
+(``init_weight_transfer_engine``, then per sync ``start_weight_update``,
+``update_weights``, ``finish_weight_update``, through ``collective_rpc``) and holds no copy
+of the weights. The receiving code is the project's own ``WeightReceiver``, the same that
+the HF engine's rank runs; only the group's backend differs between GPUs (NCCL) and CPUs
+(gloo). This module is vLLM's ``worker_extension_cls``: the worker imports it before
+loading the model, which registers the engine with vLLM's factory in the worker process.
 
-Loading goes through vLLM's layerwise reload (``initialize_layerwise_reload`` /
-``finalize_layerwise_reload``): on CPU vLLM repacks the linear weights into oneDNN form after
-loading and empties the original parameters, so a plain ``model.load_weights`` would update
-some tensors silently not at all.
+Each worker receives the full tensors and loads them through vLLM's own loader (which
+shards them for tensor parallelism) inside vLLM's layerwise reload
+(``initialize_layerwise_reload`` / ``finalize_layerwise_reload``): on CPU vLLM repacks the
+linear weights after loading and empties the original parameters, so a plain
+``model.load_weights`` would update some tensors silently not at all. The layerwise
+reload holds a layer's tensors until the layer is complete, so they are received as
+memory of their own (``IncomingWeights.buckets(keep=True)``). Memory in a worker during a
+sync: two bucket buffers, and the tensors of the layers not yet complete (about one
+decoder layer, as buckets follow the model's order).
+
+With ``digest`` in the update, each worker hashes the tensors it handed to its loader
+(``runlog.WeightDigest``: the trainer leader hashes the same tensors as it sends them);
+``WorkerExtension.hpc_asyncppo_last_sync`` returns it, so the rollout rank can check
+every worker at every version.
 """
 
 from __future__ import annotations
@@ -18,11 +32,10 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import time
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
-from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -30,43 +43,45 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-GLOO_BACKEND = "gloo_hpc_asyncppo"
+from hpc_asyncppo.runlog import WeightDigest
+from hpc_asyncppo.transport.weight_group import WeightGroupSpec, open_weight_group
+from hpc_asyncppo.transport.weights import WeightReceiver, check_version
+
+BACKEND = "hpc_asyncppo"  # our engine's name in vLLM's weight-transfer factory
 
 
 @dataclass
-class GlooInitInfo(WeightTransferInitInfo):
+class GroupInitInfo(WeightTransferInitInfo):
+    """A ``WeightGroupSpec``'s fields, and the group rank of this engine's worker 0."""
+
     host: str
     port: int
-    world_size: int  # the sender (rank 0) plus every vLLM worker of this engine
-    timeout_s: float = 300.0
+    world_size: int
+    backend: str
+    timeout_s: float
+    rank_offset: int
 
 
 @dataclass
-class GlooUpdateInfo(WeightTransferUpdateInfo):
-    names: list[str]
-    dtype_names: list[str]  # e.g. "float32", as in torch.float32
-    shapes: list[list[int]]
+class GroupUpdateInfo(WeightTransferUpdateInfo):
+    version: int  # the version the rollout rank was announced; the header must carry it
+    digest: bool = False
 
 
-def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float):
-    """A gloo group that leaves torch.distributed's default group alone (the rollout rank
-    already has one: the whole MPI job)."""
-    return stateless_init_torch_distributed_process_group(
-        host, port, rank, world_size, backend="gloo", timeout=timedelta(seconds=timeout_s)
-    )
+class WeightGroupEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
+    """A worker's end of the weight group: receive each sync whole and load it."""
 
+    init_info_cls = GroupInitInfo
+    update_info_cls = GroupUpdateInfo
 
-class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
-    """Worker side: receive each tensor by broadcast from rank 0 and load it in place."""
-
-    init_info_cls = GlooInitInfo
-    update_info_cls = GlooUpdateInfo
-
-    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        rank = 1 + self.parallel_config.rank  # rank 0 is the sender
-        self.group = open_group(
-            init_info.host, init_info.port, rank, init_info.world_size, init_info.timeout_s
-        )
+    def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
+        spec = WeightGroupSpec.of(init_info.__dict__)
+        # one engine per data-parallel replica here: the worker's rank is its TP rank
+        self.rank = init_info.rank_offset + self.parallel_config.rank
+        self.group = open_weight_group(spec, self.rank)
+        on = torch.device(spec.device_type) if spec.backend == "gloo" else self.device
+        self.receiver = WeightReceiver(self.group, 0, on, target=self.device)
+        self.last: dict = {}
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -78,21 +93,34 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
         finalize_layerwise_reload(self.model, self.model_config)
 
-    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        for name, dtype_name, shape in zip(
-            update_info.names, update_info.dtype_names, update_info.shapes, strict=True
-        ):
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype_name))
-            # a stateless group is unknown to torch.distributed's registry: call it directly
-            self.group.broadcast(tensor, 0).wait()
-            self.model.load_weights([(name, tensor)])
+    def receive_weights(self, update_info: GroupUpdateInfo) -> None:
+        start = time.monotonic()
+        incoming = self.receiver.receive()
+        check_version(update_info.version, incoming.version, f"weight-group rank {self.rank}")
+        digest = WeightDigest() if update_info.digest else None
+        loading = 0.0
+        for bucket in incoming.buckets(keep=True):
+            if digest is not None:
+                for name, tensor in bucket.items():
+                    digest.add(name, tensor)
+            began = time.monotonic()
+            self.model.load_weights(list(bucket.items()))
+            loading += time.monotonic() - began
+        self.last = {
+            "version": incoming.version,
+            "rank": self.rank,
+            "digest": digest.hexdigest() if digest is not None else "",
+            "seconds": time.monotonic() - start,
+            "load_s": loading,  # in vLLM's loader (and the layers it processed meanwhile)
+            "peak_bytes": self.receiver.peak_bytes,
+        }
 
     def shutdown(self) -> None:
         self.group = None
 
 
-if GLOO_BACKEND not in WeightTransferEngineFactory._registry:
-    WeightTransferEngineFactory.register_engine(GLOO_BACKEND, GlooWeightTransferEngine)
+if BACKEND not in WeightTransferEngineFactory._registry:
+    WeightTransferEngineFactory.register_engine(BACKEND, WeightGroupEngine)
 
 
 class WorkerExtension:
@@ -100,6 +128,12 @@ class WorkerExtension:
 
     def hpc_asyncppo_ready(self) -> bool:
         return True
+
+    def hpc_asyncppo_last_sync(self) -> dict:
+        """The last sync this worker received: version, its weight-group rank, digest
+        (with ``digest`` asked for), seconds (of which ``load_s`` in vLLM's loader) and peak
+        bucket-buffer bytes."""
+        return dict(self.weight_transfer_engine.last)
 
 
 # --- stop signals -------------------------------------------------------------------------

@@ -2,15 +2,20 @@
 
 World ranks [0, R) are rollout ranks, [R, R+T) trainer ranks; rank R is the trainer
 leader. MPI: COMM_WORLD split by role, and an intercommunicator between the two sides
-(samples). torch.distributed over all ranks (rendezvous address sent over MPI), with two
-groups: the trainer ranks (gradient all-reduce) and {trainer leader} + rollout ranks
-(weight broadcast). The same layout under mpirun (local) and srun (one Slurm het step).
+(samples). torch.distributed over all ranks (rendezvous address sent over MPI), with one
+group: the trainer ranks (gradient all-reduce). Weights travel in a group of their own,
+made apart from torch.distributed's world (``transport/weight_group.py``): the trainer
+leader and every process holding inference weights (each vLLM worker, or the HF
+engine's rank); this layout only says where it meets and with which backend. The same
+layout under mpirun (local) and srun (one Slurm het step).
 
 With CUDA, each rank works on the first GPU of the set it bound itself to (``gpus.py``:
 a rollout rank sees its tensor_parallel_size GPUs, a trainer rank one) and the groups use
-NCCL, which needs a GPU per rank. Where the weight-broadcast group shares a GPU (a rollout
-rank beside the trainer leader on a one-GPU workstation), that group uses gloo through
+NCCL, which needs a GPU per rank. Where the weight group would share a GPU (a rollout
+rank's GPUs include the trainer leader's, on a one-GPU workstation), it uses gloo through
 host memory instead; trainer ranks sharing a GPU are refused with an error saying so.
+Every group is bounded by a timeout: the trainer group and the default group by
+``timeout_s`` (``timeouts.weight_sync_s``), the weight group likewise.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from hpc_asyncppo.transport.weight_group import WeightGroupSpec, group_size
+
 ROLLOUT, TRAINER = "rollout", "trainer"
 
 
@@ -38,9 +45,9 @@ class Topology:
     local: MPI.Intracomm  # this role's ranks
     inter: MPI.Intercomm  # rollout side <-> trainer side
     trainer_group: dist.ProcessGroup | None  # gradient all-reduce (trainer ranks only)
-    sync_group: dist.ProcessGroup | None  # weight broadcast (leader + rollout ranks only)
+    weights: WeightGroupSpec  # where the weight group meets (leader = its rank 0)
+    workers_per_rank: int  # weight-group members per rollout rank (vLLM: its TP workers)
     device: torch.device
-    sync_device: torch.device  # where weight buckets travel: ``device``, or the CPU (gloo)
 
     @property
     def train_ranks(self) -> int:
@@ -104,7 +111,9 @@ def _rendezvous_host() -> str:
     return "127.0.0.1"
 
 
-def build_topology(rollout_ranks: int, timeout_s: float) -> Topology:
+def build_topology(rollout_ranks: int, timeout_s: float, workers_per_rank: int = 1) -> Topology:
+    """Collective over COMM_WORLD. ``workers_per_rank``: how many processes of each rollout
+    rank hold its inference weights (vLLM: ``tensor_parallel_size``; HF: 1, the rank)."""
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     if not 0 < rollout_ranks < size:
@@ -117,9 +126,10 @@ def build_topology(rollout_ranks: int, timeout_s: float) -> Topology:
     inter = local.Create_intercomm(0, world, remote_leader, tag=7)
 
     leader = rollout_ranks
-    address = bcast_text(
-        world, f"{_rendezvous_host()}:{_free_port()}" if rank == leader else "", root=leader
-    )
+    here = _rendezvous_host()
+    address, weights_port = bcast_text(
+        world, f"{here}:{_free_port()} {_free_port()}" if rank == leader else "", root=leader
+    ).split()
     device = _pick_device()
     # A CPU tensor on the default group goes through gloo, a CUDA tensor through NCCL.
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
@@ -131,21 +141,27 @@ def build_topology(rollout_ranks: int, timeout_s: float) -> Topology:
         timeout=timedelta(seconds=timeout_s),
     )
     trainer_ranks = list(range(rollout_ranks, size))
-    sync_ranks = [leader, *range(rollout_ranks)]
-    sync_backend, sync_device = None, device
+    weights_backend = "gloo"
     if device.type == "cuda":
-        gpus = _gpu_of_every_rank(world, device)
-        if shared := _sharing(gpus, trainer_ranks):
+        gpus = _gpus_of_every_rank(world, device)
+        if shared := _sharing([g[:1] for g in gpus], trainer_ranks):
             raise RuntimeError(
                 f"trainer ranks {shared} share one GPU; NCCL needs a GPU "
                 "per trainer rank: request as many GPUs per node as trainer tasks per node"
             )
-        if _sharing(gpus, sync_ranks):
-            # NCCL refuses two ranks on one GPU: broadcast the weights through host memory.
-            sync_backend, sync_device = "gloo", torch.device("cpu")
-    # new_group is collective over the whole world: every rank creates both groups.
-    trainer_group = dist.new_group(trainer_ranks)
-    sync_group = dist.new_group(sync_ranks, backend=sync_backend)
+        # NCCL refuses two members on one GPU: then the weights go through host memory.
+        # the leader sends from its own GPU; a rollout rank's workers use every GPU it sees
+        members = [g if r < rollout_ranks else g[:1] for r, g in enumerate(gpus)]
+        weights_backend = "gloo" if _sharing(members, [leader, *range(rollout_ranks)]) else "nccl"
+    weights = WeightGroupSpec(
+        host=address.rsplit(":", 1)[0],
+        port=int(weights_port),
+        world_size=group_size(rollout_ranks, workers_per_rank),
+        backend=weights_backend,
+        timeout_s=timeout_s,
+    )
+    # new_group is collective over the whole world: every rank creates it.
+    trainer_group = dist.new_group(trainer_ranks, timeout=timedelta(seconds=timeout_s))
     return Topology(
         world_rank=rank,
         world_size=size,
@@ -154,9 +170,9 @@ def build_topology(rollout_ranks: int, timeout_s: float) -> Topology:
         local=local,
         inter=inter,
         trainer_group=trainer_group if role == TRAINER else None,
-        sync_group=sync_group if (role == ROLLOUT or rank == leader) else None,
+        weights=weights,
+        workers_per_rank=workers_per_rank,
         device=device,
-        sync_device=sync_device,
     )
 
 
@@ -175,22 +191,34 @@ def _pick_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _gpu_of_every_rank(world: MPI.Intracomm, device: torch.device) -> np.ndarray:
-    """A number per world rank naming its node and GPU (equal numbers: the same GPU)."""
+MAX_GPUS_PER_RANK = 16
+
+
+def _gpus_of_every_rank(world: MPI.Intracomm, device: torch.device) -> list[list[int]]:
+    """Per world rank, numbers naming the node and GPUs it works on (equal numbers: the
+    same GPU): its own device first, then the other GPUs it sees (a rollout rank's vLLM
+    workers use all of them)."""
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
-    mine = np.array([zlib.crc32(f"{node}/{uuid}".encode())], dtype=np.int64)
-    every = np.zeros(world.Get_size(), dtype=np.int64)
+    order = [device.index or 0] + [
+        i for i in range(torch.cuda.device_count()) if i != (device.index or 0)
+    ]
+    ids = [
+        zlib.crc32(f"{node}/{torch.cuda.get_device_properties(i).uuid}".encode()) for i in order
+    ][:MAX_GPUS_PER_RANK]
+    mine = np.full(MAX_GPUS_PER_RANK, -1, dtype=np.int64)
+    mine[: len(ids)] = ids
+    every = np.zeros((world.Get_size(), MAX_GPUS_PER_RANK), dtype=np.int64)
     world.Allgather([mine, MPI.INT64_T], [every, MPI.INT64_T])
-    return every
+    return [[int(g) for g in row if g >= 0] for row in every]
 
 
-def _sharing(gpus: np.ndarray, ranks: list[int]) -> list[int]:
-    """The ranks among ``ranks`` on a GPU that another of them also uses."""
-    seen: dict[int, list[int]] = {}
+def _sharing(gpus: list[list[int]], ranks: list[int]) -> list[int]:
+    """The ranks among ``ranks`` with a GPU that another of them also uses."""
+    seen: dict[int, set[int]] = {}
     for r in ranks:
-        seen.setdefault(int(gpus[r]), []).append(r)
-    return sorted(r for group in seen.values() if len(group) > 1 for r in group)
+        for g in gpus[r]:
+            seen.setdefault(g, set()).add(r)
+    return sorted({r for group in seen.values() if len(group) > 1 for r in group})
 
 
 def close_topology(topo: Topology) -> None:

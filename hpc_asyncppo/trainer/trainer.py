@@ -55,6 +55,7 @@ from hpc_asyncppo.trainer.validation import ValidationLog
 from hpc_asyncppo.transport.arrays import pack_arrays, unpack_arrays
 from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleReceiver, decode_group
 from hpc_asyncppo.transport.waits import PeerTimeout, poll_until
+from hpc_asyncppo.transport.weight_group import open_weight_group
 from hpc_asyncppo.transport.weights import Background, WeightBroadcaster
 
 log = logging.getLogger(__name__)
@@ -73,9 +74,12 @@ class TrainerLeader:
     ):
         self.cfg, self.topo, self.run_dir, self.policy = cfg, topo, run_dir, policy
         self.receiver = SampleReceiver(topo.inter)
-        self.broadcaster = WeightBroadcaster(
-            topo.sync_group, topo.leader, cfg.trainer.weight_sync_bucket_mb, topo.sync_device
+        # The weight group meets once every member has joined (vLLM workers once their
+        # engine has started): the leader joins on a side thread and waits at its first sync.
+        self.joining = Background(
+            lambda: open_weight_group(topo.weights, 0), "the weight group's rendezvous"
         )
+        self.broadcaster: WeightBroadcaster | None = None
         self.credits = CreditController(
             topo.rollout_ranks,
             cfg.max_required_groups,
@@ -108,6 +112,7 @@ class TrainerLeader:
         self.rollout_idle: dict[int, tuple[float, float]] = {}
         self.partial_groups = [0] * topo.rollout_ranks  # cut groups each rank holds
         self.tokens_regenerated: dict[int, int] = {}  # per rollout rank, cumulative
+        self.sync_pause: dict[int, float] = {}  # per rollout rank, its engine's last pause
         self.checkpoint_time: float | None = None  # when the resumed checkpoint was committed
         if checkpoint is not None:
             self.restore(checkpoint)
@@ -198,6 +203,7 @@ class TrainerLeader:
             self.credits.received(group.rollout_rank)
             self.rollout_idle[group.rollout_rank] = (group.rollout_idle_s, group.rollout_elapsed_s)
             self.tokens_regenerated[group.rollout_rank] = group.tokens_regenerated
+            self.sync_pause[group.rollout_rank] = group.rollout_sync_pause_s
             self.queue.push(buf)
         self.validation.poll()
 
@@ -371,7 +377,7 @@ class TrainerLeader:
         bucket's completion."""
         start = time.time()
         self.finish_sync()  # one broadcast on the wire at a time
-        self.receiver.broadcast_control(Control.SYNC, version)
+        broadcaster = self.weight_broadcaster()
         self.order_followers({"sync": True, "step": self.step})
         digest = runlog.WeightDigest() if self.cfg.trainer.record_weight_digests else None
         if self.inflight_updates and self.version_sent:
@@ -379,9 +385,13 @@ class TrainerLeader:
             if digest is not None:
                 for name, tensor in named:
                     digest.add(name, tensor)
-            self.sending = self.broadcaster.broadcast_in_background(version, named)
+            # announced only now that it is ready to go: a rollout rank pauses its engine
+            # (vLLM) for the broadcast itself, not for the gathering
+            self.receiver.broadcast_control(Control.SYNC, version)
+            self.sending = broadcaster.broadcast_in_background(version, named)
         else:
-            self.last_sync_s = self.broadcaster.broadcast(
+            self.receiver.broadcast_control(Control.SYNC, version)
+            self.last_sync_s = broadcaster.broadcast(
                 version,
                 self.policy.named_weights(),
                 specs=self.policy.weight_specs(),
@@ -395,6 +405,16 @@ class TrainerLeader:
                 self.run_dir, self.topo.world_rank, version, digest.hexdigest()
             )
         self.timeline.record("sync", start, time.time(), version=version)
+
+    def weight_broadcaster(self) -> WeightBroadcaster:
+        """The sender of the weight group, once the group has met (the first sync waits)."""
+        if self.broadcaster is None:
+            group = self.joining.result(self.cfg.timeouts.weight_sync_s + 30)
+            on_gpu = self.topo.weights.backend == "nccl"
+            device = self.topo.device if on_gpu else torch.device("cpu")
+            bucket_mb = self.cfg.trainer.weight_sync_bucket_mb
+            self.broadcaster = WeightBroadcaster(group, 0, bucket_mb, device)
+        return self.broadcaster
 
     def finish_sync(self) -> None:
         """Wait for a broadcast still on the wire (in-flight weight updates)."""
@@ -458,6 +478,7 @@ class TrainerLeader:
                     "trainer/idle_ratio": self.idle_s / max(elapsed, 1e-9),
                     "rollouter/idle_ratio": float(np.mean(rollout_idle)) if rollout_idle else 0.0,
                     "sync/time_s": self.last_sync_s,
+                    "sync/pause_s": max(self.sync_pause.values(), default=0.0),
                     "memory/trainer_state_mb": self.policy.state_bytes() / 2**20,
                     "memory/trainer_peak_mb": peak_memory_mb(self.topo.device),
                     **self.recipe_metrics(groups, rewards),

@@ -62,6 +62,7 @@ class SampleGroup:
     rollout_idle_s: float = 0.0  # the sender's cumulative waiting time when it sent this group
     rollout_elapsed_s: float = 0.0  # the sender's time since training started
     tokens_regenerated: int = 0  # the sender's cumulative count of cut tokens thrown away
+    rollout_sync_pause_s: float = 0.0  # how long the sender's engine paused for its last sync
     meta: dict = field(default_factory=dict)
 
     @property
@@ -83,7 +84,9 @@ _SCALARS = (
     "rollout_idle_s",
     "rollout_elapsed_s",
     "tokens_regenerated",
+    "rollout_sync_pause_s",
 )
+_SINCE = {"rollout_sync_pause_s": 0.0}  # scalars newer than some checkpoints: their default
 _ARRAYS = {
     "prompt_ids": np.int32,
     "response_ids": np.int32,
@@ -101,7 +104,8 @@ def encode_group(group: SampleGroup) -> np.ndarray:
 
 def decode_group(buf: np.ndarray) -> SampleGroup:
     arrays, meta = unpack_arrays(buf)
-    return SampleGroup(**{k: meta[k] for k in _SCALARS}, **{k: arrays[k] for k in _ARRAYS})
+    scalars = {k: meta[k] if k in meta else _SINCE[k] for k in _SCALARS}
+    return SampleGroup(**scalars, **{k: arrays[k] for k in _ARRAYS})
 
 
 def _control(kind: Control, value: int = 0, extra: list[int] | None = None) -> np.ndarray:

@@ -2,10 +2,14 @@
 
 A sync is: a header (version and, per tensor, name, dtype, shape, bucket and byte offset)
 broadcast as JSON bytes, then each bucket. Tensors are packed as raw bytes, so every dtype
-(bf16 included) travels bit-exactly. The group is {trainer leader} + rollout ranks, gloo on
-CPU and NCCL when CUDA is present (same code: only the device of the buffers changes). When
-the group cannot use NCCL (ranks sharing a GPU), buckets travel through host memory over
-gloo and the receiver copies them to its device.
+(bf16 included) travels bit-exactly. The group is the weight group (``weight_group.py``):
+the trainer leader (rank 0) and every process that holds inference weights (the HF
+engine's rollout rank, or each vLLM worker), gloo on CPU and NCCL when CUDA is present
+(same code: only the device of the buffers changes). When the group cannot use NCCL
+(members sharing a GPU), buckets travel through host memory over gloo and the receiver
+copies them to its device. Collectives are called on the group object
+(``group.broadcast(tensor, src)``, src a rank of the group), so that a group unknown to
+torch.distributed's registry works as well as one it made.
 
 Both sides stream. The sender takes the tensors one at a time (a sharded trainer gathers
 each from its shards just then). A tensor of at least ``DIRECT_BYTES`` is a bucket of its
@@ -23,9 +27,10 @@ of any dtype are aligned whatever the order and lengths of the tensors before it
 
 In-flight weight updates: either side can run a sync on a side thread
 (``WeightBroadcaster.broadcast_in_background``, ``WeightReceiver.receive_staged``) while
-its loop goes on: the leader hands over the gathered tensors and trains on; a rollout rank
-receives into a staging copy of the weights while its engine generates under the old ones,
-and loads the copy between two engine steps. Only that thread uses the sync group then;
+its loop goes on: the leader hands over the gathered tensors and trains on; an hf rollout
+rank receives into a staging copy of the weights while its engine generates under the old
+ones, and loads the copy between two engine steps (vLLM's workers receive with their engine
+paused instead: no copy). Only that thread uses the weight group then;
 ``Background.result`` joins it (bounded: the group's own timeout ends a stuck collective)
 and raises what it raised.
 """
@@ -39,6 +44,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -63,6 +69,13 @@ class TensorSlot:
 
 
 WeightSpec = tuple[str, tuple[int, ...], torch.dtype]  # name, shape, dtype
+
+
+class Group(Protocol):
+    """What a sync needs of its group: an asynchronous broadcast from a group rank
+    (a torch ``ProcessGroup`` or a ``weight_group.WeightGroup``)."""
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> dist.Work: ...
 
 
 def specs_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[WeightSpec]:
@@ -291,7 +304,7 @@ class WeightBroadcaster:
     of the rollout dtype on an unsharded trainer) is sent from its own memory. The two
     buffers stay between syncs: fresh host pages cost more than the packing."""
 
-    def __init__(self, group: dist.ProcessGroup, src: int, bucket_mb: float, device: torch.device):
+    def __init__(self, group: Group, src: int, bucket_mb: float, device: torch.device):
         """``bucket_mb``: the bucket size in MiB (a fraction gives tests buckets of bytes)."""
         self.group, self.src, self.device = group, src, device
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
@@ -319,8 +332,8 @@ class WeightBroadcaster:
         raw = encode_header(version, slots, self.bucket_bytes)
         header = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device)
         length = torch.tensor([header.numel()], dtype=torch.int64, device=self.device)
-        dist.broadcast(length, src=self.src, group=self.group)
-        dist.broadcast(header, src=self.src, group=self.group)
+        self.group.broadcast(length, self.src).wait()
+        self.group.broadcast(header, self.src).wait()
 
         def watched() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in named:
@@ -333,7 +346,7 @@ class WeightBroadcaster:
         try:
             for _, bucket in stream_buckets(watched(), slots, self.device, take=take):
                 window.make_room(bucket.numel())
-                work = dist.broadcast(bucket, src=self.src, group=self.group, async_op=True)
+                work = self.group.broadcast(bucket, self.src)
                 window.post(bucket, work)
         finally:
             window.settle()
@@ -382,6 +395,26 @@ Destination = Callable[[str], torch.Tensor | None]
 
 
 @dataclass
+class WeightUpdate:
+    """What an engine reports of a sync it has loaded."""
+
+    version: int
+    # per weight-group member of the rank (HF: the rank; vLLM: each worker), the digest of
+    # what it loaded (``runlog.WeightDigest``); empty strings when not asked for
+    digests: list[str]
+    # seconds the engine could not generate for it (vLLM: paused from start to finish)
+    pause_s: float
+
+
+def check_version(announced: int, carried: int, who: str) -> None:
+    """A sync's header must carry the version its announcement (SYNC) named."""
+    if announced != carried:
+        raise RuntimeError(
+            f"{who}: weight sync announced version {announced} but the broadcast carried {carried}"
+        )
+
+
+@dataclass
 class IncomingWeights:
     """One sync announced by its header: the version and layout, and the buckets still to
     come (``buckets()``, to be called once and iterated to the end: the sender is
@@ -389,14 +422,16 @@ class IncomingWeights:
 
     version: int
     slots: list[TensorSlot]
-    _stream: Callable[[Destination | None], Iterator[dict[str, torch.Tensor]]]
+    _stream: Callable[[Destination | None, bool], Iterator[dict[str, torch.Tensor]]]
 
     def specs(self) -> list[WeightSpec]:
         """(name, shape, dtype) of every tensor, in the order they come: known before any
         bucket arrives, so that an engine can refuse a mismatched sync before loading."""
         return [(s.name, s.shape, _DTYPES[s.dtype]) for s in self.slots]
 
-    def buckets(self, into: Destination | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    def buckets(
+        self, into: Destination | None = None, keep: bool = False
+    ) -> Iterator[dict[str, torch.Tensor]]:
         """Per bucket, its tensors by name: views valid only until the next bucket is asked
         for (their buffer is then reused), so a consumer copies them where they go.
 
@@ -404,8 +439,13 @@ class IncomingWeights:
         dtype and shape on the group's device, e.g. the engine's parameter): it is then
         received there in place and handed out as that same memory, which the consumer
         need not copy. A destination is written while its bucket arrives, i.e. possibly
-        before the buckets ahead of it have been consumed."""
-        return self._stream(into)
+        before the buckets ahead of it have been consumed.
+
+        ``keep``: every tensor handed out is memory of its own that the consumer may hold
+        on to (a loader that buffers a layer's tensors until the layer is complete, as
+        vLLM's layerwise reload does): direct tensors without a destination are received
+        into fresh memory, packed ones copied out of their bucket."""
+        return self._stream(into, keep)
 
 
 class WeightReceiver:
@@ -415,11 +455,12 @@ class WeightReceiver:
     direct ones that have no destination; a direct tensor with one is received in place)
     and, when the group's device is not the target (host memory on a shared GPU), one
     bucket copied to the target. Receives are posted ahead, up to two buckets' bytes in
-    flight. The two buffers stay between syncs."""
+    flight. The two buffers stay between syncs. With ``buckets(keep=True)`` (a vLLM worker)
+    the tensors handed out are the consumer's to hold, and count as its memory."""
 
     def __init__(
         self,
-        group: dist.ProcessGroup,
+        group: Group,
         src: int,
         device: torch.device,
         target: torch.device | None = None,
@@ -438,12 +479,12 @@ class WeightReceiver:
     def receive(self) -> IncomingWeights:
         """The next sync's header; its buckets follow through ``IncomingWeights.buckets``."""
         length = torch.empty(1, dtype=torch.int64, device=self.device)
-        dist.broadcast(length, src=self.src, group=self.group)
+        self.group.broadcast(length, self.src).wait()
         header = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-        dist.broadcast(header, src=self.src, group=self.group)
+        self.group.broadcast(header, self.src).wait()
         version, slots, bucket_bytes = _decode(header.cpu().numpy().tobytes())
         return IncomingWeights(
-            version, slots, lambda into: self._buckets(slots, bucket_bytes, into)
+            version, slots, lambda into, keep: self._buckets(slots, bucket_bytes, into, keep)
         )
 
     def receive_staged(self, staging: dict[str, torch.Tensor]) -> Background:
@@ -476,8 +517,17 @@ class WeightReceiver:
         return incoming.version, tensors
 
     def _buckets(
-        self, slots: list[TensorSlot], bucket_bytes: int, into: Destination | None
+        self, slots: list[TensorSlot], bucket_bytes: int, into: Destination | None, keep: bool
     ) -> Iterator[dict[str, torch.Tensor]]:
+        if keep and into is None and self.target == self.device:
+            by_name = {s.name: s for s in slots}
+
+            def fresh(name: str) -> torch.Tensor:
+                s = by_name[name]
+                return torch.empty(s.shape, dtype=_DTYPES[s.dtype], device=self.device)
+
+            into = fresh
+
         sizes = bucket_sizes(slots)
         members: list[list[TensorSlot]] = [[] for _ in sizes]
         for s in slots:
@@ -514,7 +564,7 @@ class WeightReceiver:
             else:
                 buf = window.buffer(sizes[index], free=lambda i: free[i])
                 owner[1 - window.turn] = index  # the buffer it just handed out
-            work = dist.broadcast(buf, self.src, group=self.group, async_op=True)
+            work = self.group.broadcast(buf, self.src)
             seq = window.post(buf, work)
             arrived[index] = (seq, buf if dest is None else dest, dest is not None)
             return True
@@ -536,7 +586,8 @@ class WeightReceiver:
                     continue
                 if self.target != self.device:
                     bucket = bucket.to(self.target)
-                yield {s.name: _view(bucket, s) for s in members[index]}
+                views = {s.name: _view(bucket, s) for s in members[index]}
+                yield {n: t.clone() for n, t in views.items()} if keep else views
                 del bucket  # the device copy goes before the next one is made
         finally:
             window.settle()

@@ -107,7 +107,8 @@ def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int) -> None:
 
 
 def test_partial_rollout_in_flight_updates_and_stop_signals(tmp_path):
-    """Two rollout ranks on vLLM, long responses, a sync every step, partial rollout and
+    """Two rollout ranks on vLLM at tensor_parallel_size=2 (four vLLM workers in the weight
+    group) and two trainer ranks, long responses, a sync every step, partial rollout and
     in-flight weight updates, in two attempts:
 
     1. As under Slurm, the stop signal reaches every process of the job, vLLM's engine
@@ -115,16 +116,19 @@ def test_partial_rollout_in_flight_updates_and_stop_signals(tmp_path):
        groups mid-response into the checkpoint and shut vLLM down themselves.
     2. Resumed, the run finishes: the cut groups continued from their tokens, groups cut
        by syncs finished under newer weights (versions that changed mid-response), and
-       every sample was trained once with its true staleness.
+       every sample was trained once with its true staleness, and every worker loaded
+       exactly the trainer's weights at every version (worker-side digests).
 
     A vLLM engine process that dies under a rank: tests/rollout/test_vllm_engine.py."""
     run_dir = tmp_path / "run"
     steps = 6
-    args = [*VLLM, "async_training.partial_rollout=true",
+    args = [*VLLM, "rollout.tensor_parallel_size=2", "async_training.partial_rollout=true",
             "async_training.trigger_parameter_sync_step=1", "actor.ppo_mini_batch_size=4",
             "rollout.response_length=96", "rollout.ignore_eos=true",
             "async_training.staleness_threshold=1.0", f"trainer.total_steps={steps}"]  # fmt: skip
-    proc = launch(run_dir, "--run-dir", str(run_dir), "--rollout-ranks", "2", *args)
+    proc = launch(
+        run_dir, "--run-dir", str(run_dir), "--rollout-ranks", "2", "--train-ranks", "2", *args
+    )
     wait_for_steps(proc, run_dir, 2)
     for rank in (0, 1):
         for pid in vllm_processes(run_dir, rank):
@@ -152,3 +156,10 @@ def test_partial_rollout_in_flight_updates_and_stop_signals(tmp_path):
     assert len(uids) == len(set(uids)) == steps * 4 * 8
     spanning = [r for r in trained if r["param_version_end"] > r["param_version_start"]]
     assert spanning, "no group was cut by a sync and continued under newer weights"
+    # every version reached all four vLLM workers (each rank records its workers' digest
+    # once they agree) with exactly the trainer leader's weights, over both attempts
+    leader = {r["version"]: r["digest"] for r in read_jsonl(run_dir / "weights" / "rank2.jsonl")}
+    assert len(leader) > steps
+    for rank in (0, 1):
+        mine = read_jsonl(run_dir / "weights" / f"rank{rank}.jsonl")
+        assert {r["version"]: r["digest"] for r in mine} == leader, rank

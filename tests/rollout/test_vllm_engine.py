@@ -1,10 +1,16 @@
-"""The vLLM engine on this machine's CPU, for real: log-probs against the trainer's, weight
-updates through vLLM's weight-transfer path, partial rollout across an update, and a dead
-engine process.
+"""The vLLM engine on this machine's CPU, for real, at tensor_parallel_size=2 (two vLLM
+workers, each loading the full tensors through vLLM's loader, which shards them): log-probs
+against the trainer's, weight updates through the weight group's worker code (this process
+is the group's sender, as the trainer leader is in a job), worker-side digests, the memory
+a sync costs the process that drives the engine, partial rollout across an update, and a
+dead engine process.
 
 vLLM's CPU attention has no kernel for the default tiny model's head size (64 / 4 heads =
-16), so these tests build the same tiny Llama with 2 heads (head size 32). One engine serves
-the whole module (starting one takes ~30 s here); each test loads the weights it needs.
+16), so these tests build a wider Llama with head size 32 (256 wide, 8 heads: ~5 MB of
+fp32 weights, so that a copy of the model would show in the memory check). One engine
+serves the whole module (starting one takes ~30-60 s here); each test loads the weights
+it needs. The job-level run (2 rollout ranks x TP 2, 2 trainer ranks, mpirun):
+tests/integration/test_vllm_runs.py.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh --
 from hpc_asyncppo.config import Config, DataConfig, ModelConfig, RolloutConfig, TinyModelConfig
 from hpc_asyncppo.models.tiny import build_tiny_model
 from hpc_asyncppo.rollout.generation import Generation
+from hpc_asyncppo.runlog import weights_digest
 from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.policy import Policy
 from tests.conftest import vllm_environment
@@ -37,6 +44,8 @@ RESPONSE_LENGTH = 24
 MAX_PROMPT = 160  # room for a prompt longer than one KV block (128 tokens on CPU)
 N = 4
 MAX_NUM_SEQS = 8
+TP = 2
+BUCKET_MB = 1 / 16  # 64 KiB buckets: the model takes about 80 of them
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +67,8 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory):
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny_model_2heads")
     words = load_task(DataConfig()).vocabulary()
-    return build_tiny_model(out, words, TinyModelConfig(num_heads=2), seed=3)
+    size = TinyModelConfig(hidden_size=256, num_heads=8, intermediate_size=512)
+    return build_tiny_model(out, words, size, seed=3)
 
 
 def make_cfg(model_dir: Path, temperature: float) -> Config:
@@ -73,6 +83,7 @@ def make_cfg(model_dir: Path, temperature: float) -> Config:
             # capacity knobs set, so the tests run through them: 12 sequences queue for 8 slots
             max_num_seqs=MAX_NUM_SEQS,
             max_num_batched_tokens=256,
+            tensor_parallel_size=TP,
         ),
     )
 
@@ -83,6 +94,7 @@ def engine(vllm_env, model_dir):
 
     cfg = make_cfg(model_dir, temperature=0.7)
     eng = VLLMEngine(cfg.model, cfg.rollout, CPU, max_prompt_length=MAX_PROMPT, seed=5)
+    eng.standalone_bucket_mb = BUCKET_MB
     yield eng
     eng.close()
 
@@ -176,6 +188,42 @@ def test_after_a_weight_update_log_probs_match_the_new_weights(engine, model_dir
         lp, rollout_lp, mask = log_probs_of(policy, prompts, gens, engine.pad_id)
         diff = (lp - rollout_lp).abs()[mask]
         assert diff.max().item() < TOLERANCE, f"v{version}: max diff {diff.max().item()}"
+
+
+def rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def watch_rss(peak: list[int], done: threading.Event) -> None:
+    while not done.is_set():
+        peak[0] = max(peak[0], rss_bytes())
+        time.sleep(0.0005)
+
+
+def test_every_worker_loads_the_senders_weights_and_this_process_keeps_no_copy(engine, model_dir):
+    """Both TP workers are members of the weight group (ranks 1 and 2 after the sender),
+    each digests what it handed to vLLM's loader: the sender's digest, at every version.
+    The process driving the engine holds no copy of the weights: its resident memory
+    during a sync stays within two buckets (the sender's buffers) of where it was."""
+    policy = Policy(make_cfg(model_dir, 0.7), CPU)
+    model_bytes = sum(p.numel() * 4 for p in policy.model.parameters())
+    bucket_bytes = int(BUCKET_MB * 2**20)
+    assert model_bytes > 40 * bucket_bytes
+    for version, seed in ((0, None), (1, 31)):
+        weights = perturbed(policy, seed) if seed else dict(policy.named_weights())
+        weights = {n: t.clone() for n, t in weights.items()}
+        before, peak, done = rss_bytes(), [0], threading.Event()
+        watcher = threading.Thread(target=watch_rss, args=(peak, done))
+        watcher.start()
+        try:
+            update = engine.load_weights(weights, version=version, digest=True)
+        finally:
+            done.set()
+            watcher.join()
+        assert update.digests == [weights_digest(list(weights.items()))] * TP, version
+        assert sorted(w["rank"] for w in engine.last_sync()) == [1, 2]
+        grown = peak[0] - before
+        assert grown <= 2 * bucket_bytes + 2**20, f"v{version}: +{grown / 2**20:.2f} MiB"
 
 
 def test_weights_cannot_change_under_running_requests(engine, model_dir):

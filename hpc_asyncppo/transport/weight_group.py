@@ -1,0 +1,110 @@
+"""Who takes part in a weight sync, and how they meet: the weight group.
+
+The trainer leader is rank 0. The other members are the processes that hold the inference
+weights, every one of them: the HF engine's rollout rank itself, or every vLLM worker of
+every rollout rank (each tensor-parallel worker included). Rollout rank ``r`` with ``W``
+workers per rank has members ``1 + r * W ... 1 + r * W + W - 1`` (``member_rank``). Each
+member receives the full tensors of every bucket (``weights.WeightReceiver``) and loads
+them itself (vLLM's loader shards them for tensor parallelism), so the process that
+drives a vLLM engine never holds a copy of the weights.
+
+The group is *stateless*: a TCPStore at the leader's address and a process group built on
+it directly, never registered with torch.distributed. It neither needs nor touches the
+default process group (the whole MPI job on a rank, and nothing at all in a vLLM worker),
+so a rank that never joins a weight sync cannot stall one. NCCL when every member has a
+GPU of its own, gloo (through host memory) otherwise; the protocol above it is the same
+code. Every collective on it, the rendezvous included, is bounded by ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_STORE_PREFIX = "hpc_asyncppo/weights"
+
+
+@dataclass(frozen=True)
+class WeightGroupSpec:
+    """Where and how the weight group meets; plain values, so it can cross vLLM's RPC."""
+
+    host: str
+    port: int
+    world_size: int  # 1 (the leader) + every member
+    backend: str  # "nccl" or "gloo"
+    timeout_s: float
+
+    @property
+    def device_type(self) -> str:
+        """Where buckets travel: CUDA memory under NCCL, host memory under gloo."""
+        return "cuda" if self.backend == "nccl" else "cpu"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def of(cls, values: dict) -> WeightGroupSpec:
+        return cls(**{k: values[k] for k in cls.__dataclass_fields__})
+
+
+def member_rank(rollout_rank: int, worker: int, workers_per_rank: int) -> int:
+    """The weight-group rank of ``worker`` (0 .. W-1, e.g. a TP rank) of ``rollout_rank``."""
+    if not 0 <= worker < workers_per_rank:
+        raise ValueError(f"worker {worker} of a rank with {workers_per_rank} workers")
+    return 1 + rollout_rank * workers_per_rank + worker
+
+
+def group_size(rollout_ranks: int, workers_per_rank: int) -> int:
+    return 1 + rollout_ranks * workers_per_rank
+
+
+class WeightGroup:
+    """A joined weight group: ``broadcast`` (asynchronous, a ``Work`` to wait on) is all a
+    sync needs. Holds the store: rank 0 serves it for as long as the group lives."""
+
+    def __init__(self, group: dist.ProcessGroup, store: dist.Store, spec: WeightGroupSpec):
+        self.group, self.store, self.spec = group, store, spec
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> dist.Work:
+        return self.group.broadcast(tensor, src)
+
+
+def open_weight_group(spec: WeightGroupSpec, rank: int) -> WeightGroup:
+    """Join the weight group as ``rank`` (0: the leader, which serves the store). Blocks
+    until every member has joined, at most ``spec.timeout_s``."""
+    timeout = timedelta(seconds=spec.timeout_s)
+    store = dist.TCPStore(
+        spec.host,
+        spec.port,
+        spec.world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    prefixed = dist.PrefixStore(_STORE_PREFIX, store)
+    group = dist.ProcessGroup(prefixed, rank, spec.world_size)
+    if spec.backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        backend = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
+        kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
+    elif spec.backend == "gloo":
+        backend = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
+        kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
+    else:
+        raise ValueError(f"weight group backend {spec.backend!r}: valid are nccl, gloo")
+    backend._set_sequence_number_for_group()
+    group._set_default_backend(kind)
+    group._register_backend(device, kind, backend)
+    return WeightGroup(group, store, spec)

@@ -1,0 +1,95 @@
+"""The weight group stands apart from torch.distributed's default group: a sync completes
+while the default group holds a rank that never joins any collective (on a rollout rank the
+default group is the whole MPI job; vLLM's own IPC engine blocked there)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hpc_asyncppo.runlog import weights_digest
+from hpc_asyncppo.transport.weight_group import (
+    WeightGroupSpec,
+    group_size,
+    member_rank,
+    open_weight_group,
+)
+from hpc_asyncppo.transport.weights import WeightBroadcaster, WeightReceiver
+
+SILENT_S = 60  # the silent rank stays in the default group this long, doing nothing
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_members_are_numbered_by_rollout_rank_then_worker() -> None:
+    # 2 rollout ranks of 2 TP workers each: the leader is 0, then 1, 2 | 3, 4
+    assert group_size(2, 2) == 5
+    assert [member_rank(r, w, 2) for r in (0, 1) for w in (0, 1)] == [1, 2, 3, 4]
+    assert member_rank(3, 0, 1) == 4
+    with pytest.raises(ValueError, match="worker 2"):
+        member_rank(0, 2, 2)
+
+
+def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        ("a", torch.randn(300, 7, generator=gen)),
+        ("b", torch.randn(5, generator=gen).to(torch.bfloat16)),
+        ("c", torch.randn(64, 64, generator=gen)),
+    ]
+
+
+def _rank(rank: int, world_port: int, spec: WeightGroupSpec, out: dict) -> None:
+    # the default group: the whole "job", three ranks, as topology.py builds it
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{world_port}",
+        rank=rank,
+        world_size=3,
+        timeout=timedelta(seconds=SILENT_S + 30),
+    )
+    if rank == 2:  # a rank that never takes part in a sync, nor in any collective
+        time.sleep(SILENT_S)
+        return
+    group = open_weight_group(spec, rank)
+    start = time.monotonic()
+    if rank == 0:
+        WeightBroadcaster(group, 0, 1 / 2**10, torch.device("cpu")).broadcast(7, weights(1))
+    else:
+        version, received = WeightReceiver(group, 0, torch.device("cpu")).receive_all()
+        out["version"] = version
+        out["digest"] = weights_digest(list(received.items()))
+    out[f"seconds{rank}"] = time.monotonic() - start
+    os._exit(0)  # leave the default group without its (collective) teardown
+
+
+def test_a_sync_completes_while_the_default_group_has_a_silent_rank() -> None:
+    spec = WeightGroupSpec("127.0.0.1", _port(), 2, "gloo", timeout_s=SILENT_S / 2)
+    with mp.Manager() as manager:
+        out = manager.dict()
+        ctx = mp.get_context("spawn")
+        world_port = _port()
+        procs = [ctx.Process(target=_rank, args=(r, world_port, spec, out)) for r in range(3)]
+        for p in procs:
+            p.start()
+        for p in procs[:2]:
+            p.join(timeout=SILENT_S)
+        silent_alive = procs[2].is_alive()
+        for p in procs:
+            p.kill()
+        assert all(p.exitcode == 0 for p in procs[:2]), [p.exitcode for p in procs]
+        assert silent_alive, "the silent rank should still be sleeping: the test proves nothing"
+        assert out["version"] == 7
+        assert out["digest"] == weights_digest(weights(1))
+        assert out["seconds1"] < SILENT_S / 2
