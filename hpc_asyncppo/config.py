@@ -535,6 +535,16 @@ def _check_gpu_layout(cfg: Config) -> None:
         )
 
 
+def check_memory(cfg: Config, train_ranks: int) -> None:
+    """The declared GPU sizes (slurm.*.gpu_memory_gb) against what each rank needs
+    (``memory.py``), once the number of trainer ranks is known. Raises ConfigError."""
+    from hpc_asyncppo.memory import memory_problem
+
+    problem = memory_problem(cfg, train_ranks)
+    if problem:
+        raise ConfigError(problem)
+
+
 def config_warnings(cfg: Config) -> list[str]:
     """Settings that can be right but are easy to get wrong: one line each, for the CLI."""
     warnings = []

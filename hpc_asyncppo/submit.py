@@ -22,6 +22,7 @@ from typing import NoReturn
 from hpc_asyncppo.config import (
     Config,
     ConfigError,
+    check_memory,
     check_resume_compatible,
     config_warnings,
     load_config,
@@ -175,6 +176,7 @@ def prepare(args: argparse.Namespace) -> tuple[Config, Path, int, int] | int:
     else:
         rollout_ranks, train_ranks = slurm_cli.rank_counts(cfg)
     cfg = load_config(base, overrides, rollout_ranks, train_ranks)
+    check_memory(cfg, train_ranks)
     if args.resume is not None:
         check_resume_compatible(load_config(base), cfg)
     for line in config_warnings(cfg):

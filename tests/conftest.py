@@ -37,6 +37,19 @@ def vllm_environment(root: Path) -> dict[str, str]:
     }
 
 
+# Qwen2.5-7B-Instruct's config.json, the sizes that decide memory (no weights needed)
+QWEN2_5_7B_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "vocab_size": 152064,
+    "hidden_size": 3584,
+    "num_hidden_layers": 28,
+    "intermediate_size": 18944,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "tie_word_embeddings": False,
+}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

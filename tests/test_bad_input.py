@@ -27,6 +27,8 @@ launch.json (every file under the test's tmp dir is compared before and after).
 | vllm_top_k_warns              | engine=vllm, top_k=5, no IS (warning), a bad path   | 2 | warning line + model.path |
 | rollout_lp_with_rollout_is    | use_rollout_log_probs=true + rollout_is=token       | 2 | use_rollout_log_probs, rollout_is=token |
 | tp_above_rollout_gpus         | --cluster slurm, 2 GPUs/node, tensor_parallel 4     | 2 | tensor_parallel_size=4, 1 GPU |
+| rollout_gpu_too_small         | 7B recipe, slurm.rollout.gpu_memory_gb=16           | 2 | rollout, 16 GB, gpu_memory_utilization=0.85, lower it |
+| trainer_gpu_too_small         | 7B recipe, 16 trainer ranks, slurm.train.gpu_memory_gb=16 | 2 | 16 trainer ranks, 19.8 GB, actor.ppo_max_token_len_per_gpu |
 | model_path_missing            | model.path=/no/such/model                           | 2 | model.path, does not exist |
 | model_path_is_a_file          | model.path=<a file>                                 | 2 | model.path, is a file |
 | model_path_no_tokenizer       | model.path=<folder with only config.json>           | 2 | model.path, tokenizer |
@@ -67,6 +69,7 @@ from pathlib import Path
 import pytest
 
 from hpc_asyncppo.runlog import read_jsonl
+from tests.conftest import QWEN2_5_7B_CONFIG
 
 REPO = Path(__file__).resolve().parents[1]
 REWARD = "data.reward_fn=hpc_asyncppo.tasks.gsm8k:gsm8k_reward"
@@ -139,6 +142,12 @@ def _jsonl(ws: Workspace, *rows: dict | str) -> list[str]:
 
 def _row(words: int, truth: str = "1") -> dict:
     return {"prompt": " ".join(["7"] * words), "ground_truth": truth}
+
+
+def _qwen_7b(ws: Workspace) -> list[str]:
+    """The 7B recipe on a folder with Qwen2.5-7B's config.json (the memory check reads it)."""
+    folder = ws.file("qwen7b/config.json", json.dumps(QWEN2_5_7B_CONFIG)).parent
+    return ["--config", "qwen2.5-7b-gsm8k", f"model.path={folder}"]
 
 
 def _disk_full(ws: Workspace) -> list[str]:
@@ -228,6 +237,16 @@ CASES: dict[str, Case] = {
         ],  # fmt: skip
         2,
         ("tensor_parallel_size=4", "1 GPU"),
+    ),
+    "rollout_gpu_too_small": Case(
+        lambda ws: _run(ws, *_qwen_7b(ws), "slurm.rollout.gpu_memory_gb=16"),
+        2,
+        ("rollout", "16 GB", "gpu_memory_utilization=0.85", "lower it"),
+    ),
+    "trainer_gpu_too_small": Case(
+        lambda ws: _run(ws, "--train-ranks", "16", *_qwen_7b(ws), "slurm.train.gpu_memory_gb=16"),
+        2,
+        ("16 trainer ranks", "19.8 GB", "actor.ppo_max_token_len_per_gpu"),
     ),
     "model_path_missing": Case(
         lambda ws: _run(ws, "model.path=/no/such/model"), 2, ("model.path", "does not exist")

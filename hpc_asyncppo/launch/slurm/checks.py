@@ -38,7 +38,7 @@ def _check_options_list(key: str, values: list[str]) -> None:
 def _check_component(name: str, c: ComponentConfig) -> None:
     if c.nodes < 1:
         raise ConfigError(f"slurm.{name}.nodes={c.nodes} must be >= 1")
-    for key in ("ntasks_per_node", "gpus_per_node", "cpus_per_task"):
+    for key in ("ntasks_per_node", "gpus_per_node", "cpus_per_task", "gpu_memory_gb"):
         if getattr(c, key) < 0:
             raise ConfigError(f"slurm.{name}.{key}={getattr(c, key)} must be >= 0")
     _match(_NAME, f"{name}.partition", c.partition, "a partition name")

@@ -18,6 +18,9 @@ class ComponentConfig:
     ntasks_per_node: int = 0  # ranks per node; 0: one per GPU (gpus_per_node), or 1 without GPUs
     gpus_per_node: int = 0  # GPUs per node; 0: ask for none
     gpu_type: str = ""  # GPU type in the request (a100 -> --gpus-per-task=a100:2); empty: any type
+    gpu_memory_gb: float = (
+        0.0  # memory of each GPU (GB): checked against the run's needs; 0: unchecked
+    )
     cpus_per_task: int = 0  # CPUs per rank (--cpus-per-task); 0: the partition's default
     mem: str = ""  # memory per node (--mem), e.g. 200G; "0": all of it; empty: partition default
     constraint: str = ""  # node features (--constraint), e.g. "a100&ib"; empty: none

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from hpc_asyncppo.config import ConfigError, load_config
+from hpc_asyncppo.config import ConfigError, check_memory, load_config
 from hpc_asyncppo.launch.rundir import RunDirError, prepare_run_dir
 
 
@@ -27,6 +27,7 @@ def main(argv: list[str]) -> int:
         rollout = int(os.environ.get("SLURM_NTASKS_HET_GROUP_0", "1"))
         train = int(os.environ.get("SLURM_NTASKS_HET_GROUP_1", "1"))
         cfg = load_config(args.config, args.overrides, rollout, train)
+        check_memory(cfg, train)
         prepare_run_dir(cfg, args.run_dir)
     except (ConfigError, FileExistsError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

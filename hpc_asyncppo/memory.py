@@ -1,0 +1,187 @@
+"""What each rank needs of its GPU, from the model's ``config.json`` and the run's config:
+the arithmetic the recipes write out, checked at config validation against the declared
+GPU sizes (``slurm.rollout.gpu_memory_gb``, ``slurm.train.gpu_memory_gb``; 0 = not
+declared, no check). Estimates, each term named; a refusal is one line with the numbers
+and the key to change.
+
+A rollout GPU (each vLLM tensor-parallel worker): vLLM takes ``gpu_memory_utilization`` of
+the device for its weights (N x dtype / TP) and KV cache; outside that share the worker
+holds its CUDA context and NCCL buffers (``CONTEXT_GB``, an estimate) and, during a weight
+sync, two bucket buffers (``trainer.weight_sync_bucket_mb``) plus the tensors vLLM's
+layerwise reload holds until a layer is complete (the larger of one decoder layer and the
+largest single tensor, in ``model.dtype``). The rollout rank itself holds no weights on the
+GPU (``transport/weight_group.py``).
+
+A trainer GPU (FSDP2 over T ranks, ``trainer/policy.py``): fp32 weights, gradients and AdamW
+moments sharded (16 N / T bytes), a frozen reference (2 N / T, with ``actor.use_kl_loss``),
+the root unit (embeddings and an untied LM head) and two decoder layers gathered in
+``model.dtype``, one layer's fp32 gradient before its reduce-scatter, the activations of one
+micro-batch (with gradient checkpointing each layer's input plus one layer recomputed), and
+the fp32 logits of ``actor.log_prob_chunk_tokens`` tokens three times (logits, softmax,
+gradient).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hpc_asyncppo.config import Config
+
+GB = 1e9
+CONTEXT_GB = 1.0  # CUDA context, NCCL communicators and allocator slack per process
+MIN_KV_GB = 1.0  # vLLM refuses to start without room for a KV cache
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that decide memory, from an HF decoder's config.json (Llama/Qwen2 family)."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    tied: bool
+
+    @classmethod
+    def of(cls, model_path: str) -> ModelShape | None:
+        """None where ``model_path`` has no readable config.json (nothing to check then)."""
+        path = Path(model_path) / "config.json"
+        try:
+            c = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        heads = c["num_attention_heads"]
+        return cls(
+            vocab=c["vocab_size"],
+            hidden=c["hidden_size"],
+            layers=c["num_hidden_layers"],
+            intermediate=c["intermediate_size"],
+            heads=heads,
+            kv_heads=c.get("num_key_value_heads", heads),
+            tied=bool(c.get("tie_word_embeddings", False)),
+        )
+
+    @property
+    def layer_params(self) -> int:
+        head_dim = self.hidden // self.heads
+        attention = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_heads * head_dim
+        biases = self.hidden + 2 * self.kv_heads * head_dim  # Qwen2's q/k/v biases
+        return attention + biases + 3 * self.hidden * self.intermediate + 2 * self.hidden
+
+    @property
+    def root_params(self) -> int:
+        """Embeddings, the LM head when untied, and the final norm."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.root_params
+
+    @property
+    def largest_tensor(self) -> int:
+        return max(self.vocab * self.hidden, self.hidden * self.intermediate)
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.1f} GB"
+
+
+def rollout_problem(cfg: Config, shape: ModelShape, gpu_gb: float) -> str | None:
+    """Why a rollout rank's vLLM worker cannot fit a GPU of ``gpu_gb``, or None."""
+    r = cfg.rollout
+    size = DTYPE_BYTES[cfg.model.dtype]
+    share = r.gpu_memory_utilization * gpu_gb * GB
+    weights = shape.params * size / r.tensor_parallel_size
+    if weights + MIN_KV_GB * GB > share:
+        return (
+            f"rollout: vLLM's share of a {gpu_gb:g} GB GPU (rollout.gpu_memory_utilization="
+            f"{r.gpu_memory_utilization:g}: {_gb(share)}) cannot hold the weights of each of "
+            f"rollout.tensor_parallel_size={r.tensor_parallel_size} workers ({_gb(weights)}) and "
+            f"{MIN_KV_GB:g} GB of KV cache: raise rollout.tensor_parallel_size or "
+            "rollout.gpu_memory_utilization"
+        )
+    buckets = 2 * cfg.trainer.weight_sync_bucket_mb * 2**20
+    held = max(shape.layer_params, shape.largest_tensor) * size
+    outside = CONTEXT_GB * GB + buckets + held
+    free = gpu_gb * GB - share
+    if outside > free:
+        fits = max(0.0, (gpu_gb * GB - outside) / (gpu_gb * GB))
+        return (
+            f"rollout: a vLLM worker needs {_gb(outside)} beside vLLM's share of its {gpu_gb:g} GB "
+            f"GPU (CUDA context and NCCL {CONTEXT_GB:g} GB, two weight-sync buckets "
+            f"{_gb(buckets)}, the tensors a reload holds {_gb(held)}) but "
+            f"rollout.gpu_memory_utilization={r.gpu_memory_utilization:g} leaves {_gb(free)}: "
+            f"lower it to {fits:.2f} or less, or lower trainer.weight_sync_bucket_mb"
+        )
+    return None
+
+
+def trainer_terms(cfg: Config, shape: ModelShape, train_ranks: int) -> dict[str, float]:
+    """Bytes per trainer GPU, by term (the recipes' arithmetic)."""
+    a = cfg.actor
+    size = DTYPE_BYTES[cfg.model.dtype]
+    n, h = shape.params, shape.hidden
+    if a.use_dynamic_bsz:
+        tokens = a.ppo_max_token_len_per_gpu
+    else:
+        responses = a.ppo_mini_batch_size * cfg.rollout.n // train_ranks
+        rows = a.ppo_micro_batch_size_per_gpu or responses
+        tokens = rows * (cfg.data.max_prompt_length + cfg.rollout.response_length)
+    per_layer_activations = tokens * (6 * h + 2 * shape.intermediate) * size
+    if a.gradient_checkpointing:
+        activations = shape.layers * tokens * h * size + per_layer_activations
+    else:
+        activations = shape.layers * per_layer_activations
+    terms = {
+        "fp32 weights, gradients and AdamW moments (sharded)": 16 * n / train_ranks,
+        "root unit gathered": shape.root_params * size,
+        "two decoder layers gathered": 2 * shape.layer_params * size,
+        "one layer's fp32 gradient": 4 * shape.layer_params,
+        f"activations of {tokens} tokens": activations,
+        "logits of one chunk (fp32, x3)": 3 * 4 * a.log_prob_chunk_tokens * shape.vocab,
+        "CUDA context and NCCL": CONTEXT_GB * GB,
+    }
+    if a.use_kl_loss:
+        terms["frozen reference (sharded)"] = size * n / train_ranks
+    return terms
+
+
+def trainer_problem(cfg: Config, shape: ModelShape, gpu_gb: float, train_ranks: int) -> str | None:
+    """Why a trainer rank cannot fit a GPU of ``gpu_gb``, or None."""
+    terms = trainer_terms(cfg, shape, train_ranks)
+    total = sum(terms.values())
+    if total <= gpu_gb * GB:
+        return None
+    largest = sorted(terms.items(), key=lambda kv: -kv[1])[:3]
+    named = ", ".join(f"{name} {_gb(b)}" for name, b in largest)
+    return (
+        f"train: each of {train_ranks} trainer ranks needs about {_gb(total)} of its "
+        f"{gpu_gb:g} GB GPU ({named}, ...): add trainer ranks, lower "
+        "actor.ppo_max_token_len_per_gpu (with actor.use_dynamic_bsz=true) or turn on "
+        "actor.gradient_checkpointing"
+    )
+
+
+def memory_problem(cfg: Config, train_ranks: int) -> str | None:
+    """The first side that does not fit its declared GPU size, or None (also when no size
+    is declared, or the model's config.json cannot be read here)."""
+    rollout_gb, train_gb = cfg.slurm.rollout.gpu_memory_gb, cfg.slurm.train.gpu_memory_gb
+    if not (rollout_gb or train_gb):
+        return None
+    shape = ModelShape.of(cfg.model.path)
+    if shape is None:
+        return None
+    if rollout_gb and cfg.rollout.engine == "vllm":
+        problem = rollout_problem(cfg, shape, rollout_gb)
+        if problem:
+            return problem
+    if train_gb:
+        return trainer_problem(cfg, shape, train_gb, train_ranks)
+    return None
