@@ -103,9 +103,10 @@ def test_qwen_scripts_give_each_task_its_own_gpus(
         (after, cfg.slurm.train, train_per_task),
     ):
         assert f"#SBATCH --ntasks-per-node={c.tasks_per_node}\n" in part
-        assert f"#SBATCH --gpus-per-task={per}\n" in part
+        # every task sees the node's GPUs (NCCL keeps P2P); each rank binds its own set
+        assert f"#SBATCH --gpus-per-node={c.gpus_per_node}\n" in part
         assert c.tasks_per_node * per == c.gpus_per_node
-        assert "--gpus-per-node" not in part and "--gres" not in part
+        assert "--gpus-per-task" not in part and "--gres" not in part
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -121,8 +122,8 @@ def test_components_in_order_and_one_het_step() -> None:
     text = _script("gpus_all_options")
     before, after = text.split("#SBATCH hetjob\n")
     assert "--partition=a100" in before and "--partition=h100" in after
-    # 4 GPUs over 4 rollout tasks, 8 over 8 trainer tasks: one GPU set per task
-    assert "--gpus-per-task=a100:1" in before and "--gpus-per-task=1" in after
+    # 4 GPUs over 4 rollout tasks, 8 over 8 trainer tasks: the node's GPUs to every task
+    assert "--gpus-per-node=a100:4" in before and "--gpus-per-node=8" in after
     assert "--exclusive" in after and "--exclusive" not in before
     # Job-wide limits hold for each component.
     for part in (before, after):

@@ -44,9 +44,11 @@ class SlurmConfig:
     time: str = ""  # time limit (minutes, HH:MM:SS or D-HH:MM:SS); empty: the partition's default
     account: str = ""  # account charged (--account); empty: your default account
     qos: str = ""  # quality of service (--qos); empty: the default QOS
-    # How GPUs are asked: gpus-per-task (Slurm binds each rank's own GPUs) | gpus-per-node |
-    # gres (--gres=gpu:N; the last two: each rank picks its GPUs by SLURM_LOCALID itself).
-    gpu_request: str = "gpus-per-task"
+    # How GPUs are asked: gpus-per-node (every task of a node sees all its GPUs and binds its
+    # own set by SLURM_LOCALID, so NCCL keeps peer-to-peer/NVLink between ranks) | gres
+    # (--gres=gpu:N, the same binding) | gpus-per-task (Slurm binds each task's set; where
+    # devices are constrained per task, NCCL loses P2P between the node's ranks).
+    gpu_request: str = "gpus-per-node"
     mpi: str = "pmix"  # srun --mpi plugin (srun --mpi=list shows the cluster's)
     signal: str = "USR2@90"  # warning signal before the time limit (--signal): the ranks checkpoint and requeue; empty: none
     extra_sbatch: list[str] = field(default_factory=list)  # more #SBATCH options for the whole job

@@ -56,13 +56,13 @@ fi
 def _gpu_option(cfg: SlurmConfig, c: ComponentConfig) -> list[str]:
     """The GPU request of one component; none without GPUs (the local test cluster has none).
 
-    Default (gpus-per-task): each task's own set, tensor_parallel_size GPUs per rollout task
-    and one per trainer task (config validation makes gpus_per_node exactly tasks x that).
-    --gpus-per-task implies --gpu-bind=per_task, so Slurm itself sets each task's
-    CUDA_VISIBLE_DEVICES, and srun inherits the request. A cluster whose per-task binding
-    gets in the way (device cgroups per task keep NCCL off NVLink) can use gpus-per-node
-    or gres: every task then sees its node's GPUs and the rank takes its own slice by
-    SLURM_LOCALID (launch/gpus.py), which it also does if srun did not bind.
+    Default (gpus-per-node): every task of a node sees the node's GPUs and takes its own set
+    by SLURM_LOCALID (launch/gpus.py): tensor_parallel_size GPUs per rollout task, one per
+    trainer task (config validation makes gpus_per_node exactly tasks x that). Nothing hides
+    a node's other GPUs from a task, so NCCL keeps its peer-to-peer (NVLink) paths between
+    the node's ranks. gres does the same with --gres=gpu:N. gpus-per-task has Slurm bind
+    each task's set (--gpu-bind=per_task, inherited by srun); where Slurm constrains devices
+    per task (ConstrainDevices), a task then cannot reach its neighbours' GPUs.
     """
     if not c.gpus_per_node:
         return []
