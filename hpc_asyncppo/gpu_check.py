@@ -9,8 +9,15 @@ Each check is a function of the device, so the suite runs the same functions on 
                        and the next update identical
   default_job_learns   the README's first command (both roles on one GPU), and it learns
   weight_sync_via_host in that job: rollout and trainer share the GPU, so the weights went
-                       through host memory (gloo), and the rollout rank held exactly the
-                       trainer's weights after every sync
+                       through host memory (gloo, the weight group's fallback), and the
+                       rollout rank held exactly the trainer's weights after every sync
+  recipe_budget        one PPO update of a Qwen2.5-7B-architecture model with random weights
+                       (Qwen2.5-3B's where memory.py says 7B cannot fit one device) at the 7B
+                       recipe's token budget, whole on one rank: peak memory against the
+                       config's own arithmetic (memory.py), and tokens/s (on the CPU: a
+                       Qwen2-architecture model of the tiny size)
+  memory_check         the memory check (memory.py) of the 7B recipe against this device's
+                       real size: what it says for rollout and trainer GPUs of this size
 
 One line per check and a summary line; exit 0 only if every check passed. Without CUDA:
 one line, exit 2 (``--device cpu`` runs them on the CPU anyway).
@@ -218,12 +225,131 @@ def check_weight_sync_via_host(device: torch.device, work: Path, steps: int = 30
     return f"{len(leader)} syncs bit-exact through host memory, both roles on {where}"
 
 
+QWEN2_5 = {  # the sizes of Qwen2.5's config.json files (random weights are made here)
+    "7B": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28,
+               intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+               tie_word_embeddings=False),
+    "3B": dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=36,
+               intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2,
+               tie_word_embeddings=True),
+    # the CPU stand-in: the same architecture at the tiny model's size
+    "tiny": dict(vocab_size=4096, hidden_size=64, num_hidden_layers=2,
+                 intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 tie_word_embeddings=False),
+}  # fmt: skip
+
+
+def random_qwen(work: Path, size: str) -> Path:
+    """A Qwen2 model folder with random bf16 weights (config.json + safetensors)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    out = work / f"qwen2.5-{size.lower()}-random"
+    if (out / "config.json").exists():
+        return out
+    config = Qwen2Config(**QWEN2_5[size], max_position_embeddings=32768, rope_theta=1e6)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    del model
+    return out
+
+
+def check_recipe_budget(device: torch.device, work: Path) -> str:
+    """One PPO update, on this device alone, of a Qwen2.5 architecture at the 7B recipe's
+    token budget (actor.ppo_max_token_len_per_gpu tokens per micro-batch, gradient
+    checkpointing, bf16 compute over fp32 masters): peak memory against memory.py's
+    arithmetic for one trainer rank, and tokens/s."""
+    from hpc_asyncppo.config import load_config
+    from hpc_asyncppo.memory import GB, ModelShape, trainer_terms
+    from hpc_asyncppo.trainer.batch import to_tensors
+    from hpc_asyncppo.trainer.policy import Policy, peak_memory_mb, ppo_update
+
+    ensure_process_group(device)
+    recipe = load_config("qwen2.5-7b-gsm8k")
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        size = "7B"
+        shape = ModelShape(**_shape_args(QWEN2_5["7B"]))
+        if sum(trainer_terms(recipe, shape, 1).values()) > 0.9 * total:
+            size = "3B"
+        tokens = recipe.actor.ppo_max_token_len_per_gpu
+    else:
+        size, tokens = "tiny", 512
+    folder = random_qwen(work, size)
+    overrides = [f"model.path={folder}", "model.attn_implementation=sdpa",
+                 f"actor.ppo_max_token_len_per_gpu={tokens}", "trainer.total_steps=1",
+                 f"data.max_prompt_length={tokens // 32}",
+                 f"rollout.response_length={tokens // 32}"]  # fmt: skip
+    cfg = load_config("qwen2.5-7b-gsm8k", overrides)
+    policy = Policy(cfg, device, dist.group.WORLD)
+    expected = sum(trainer_terms(cfg, ModelShape.of(str(folder)), 1).values())
+    # 32 rows of up to tokens/16 each, about half of that on average: micro-batches of about
+    # the budget (token-budget micro-batches, as the recipe runs)
+    rows, half = 32, tokens // 32
+    batch = random_batch(rows, seed=2, prompt=half, length=half)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.synchronize(device)
+    start = time.monotonic()
+    stats = ppo_update(policy, to_tensors(batch, device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.monotonic() - start
+    assert all(np.isfinite(v) for v in stats.values()), stats
+    used = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
+    peak = peak_memory_mb(device) * 2**20
+    return (
+        f"Qwen2.5-{size} architecture, {tokens}-token budget: peak {peak / GB:.1f} GB against "
+        f"{expected / GB:.1f} GB by memory.py ({peak / expected:.2f}x), {used / seconds:,.0f} "
+        f"tokens/s over one update of {used} tokens"
+    )
+
+
+def _shape_args(config: dict) -> dict:
+    return dict(
+        vocab=config["vocab_size"], hidden=config["hidden_size"],
+        layers=config["num_hidden_layers"], intermediate=config["intermediate_size"],
+        heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"],
+        tied=config["tie_word_embeddings"],
+    )  # fmt: skip
+
+
+def check_memory_check(device: torch.device, work: Path) -> str:
+    """The 7B recipe against GPUs of this device's size, through the memory check the
+    submit command runs (memory.py): what it accepts and refuses, in its own words."""
+    import json as _json
+
+    from hpc_asyncppo.config import ConfigError, check_memory, load_config
+
+    if device.type == "cuda":
+        gb = torch.cuda.get_device_properties(device).total_memory / 1e9
+    else:
+        gb = 16.0  # a stand-in size: the check's arithmetic runs all the same
+    folder = work / "qwen2.5-7b-config"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(_json.dumps(QWEN2_5["7B"]))
+    said = []
+    for side in ("rollout", "train"):
+        cfg = load_config(
+            "qwen2.5-7b-gsm8k", [f"model.path={folder}", f"slurm.{side}.gpu_memory_gb={gb:.1f}"]
+        )
+        ranks = cfg.slurm.train.ranks
+        try:
+            check_memory(cfg, ranks)
+            said.append(f"{side} fits")
+        except ConfigError as exc:
+            said.append(f"{side} refused: {exc}")
+    return f"7B recipe on {gb:.0f} GB GPUs: " + "; ".join(said)
+
+
 CHECKS: dict[str, Callable[[torch.device, Path], str]] = {
     "gpu_binding": check_gpu_binding,
     "fsdp2_step": check_fsdp2_step,
     "checkpoint": check_checkpoint,
     "default_job_learns": check_default_job_learns,
     "weight_sync_via_host": check_weight_sync_via_host,
+    "recipe_budget": check_recipe_budget,
+    "memory_check": check_memory_check,
 }
 
 

@@ -3,8 +3,11 @@
 # Slurm needed): python -m hpc_asyncppo.gpu_check runs the CUDA paths, one line per check
 # and a summary line (FSDP2 bf16 step, checkpoint from/to the GPU, the default job learning
 # with both roles on one GPU, its weight sync through host memory, the GPU-binding function
-# under a fake 8-GPU node). Then, only if vLLM is importable, scripts/gpu_check.py (vLLM on
-# the GPU). Exit 0 only if everything that ran passed; 2 (one line) without CUDA.
+# under a fake 8-GPU node, one PPO update of a Qwen2.5-7B-architecture model at the 7B
+# recipe's token budget with its peak memory against memory.py's arithmetic, and the memory
+# check of the 7B recipe at this GPU's size). Then, only if vLLM is importable,
+# scripts/gpu_check.py (vLLM on the GPU, fed through the weight group). Exit 0 only if
+# everything that ran passed; 2 (one line) without CUDA.
 #
 #     bash scripts/gpu_check.sh            (PYTHON=... to choose the interpreter)
 #

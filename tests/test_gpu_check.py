@@ -20,7 +20,9 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("gpu_check")
 
 
-@pytest.mark.parametrize("name", ["gpu_binding", "fsdp2_step", "checkpoint"])
+@pytest.mark.parametrize(
+    "name", ["gpu_binding", "fsdp2_step", "checkpoint", "recipe_budget", "memory_check"]
+)
 def test_check_runs_on_the_cpu(name: str, work: Path) -> None:
     detail = gpu_check.CHECKS[name](CPU, work)
     assert detail and "\n" not in detail
