@@ -177,17 +177,42 @@ def test_log_probs_match_the_trainers(engine, model_dir, log_probs_of, temperatu
 
 
 def test_after_a_weight_update_log_probs_match_the_new_weights(engine, model_dir, log_probs_of):
+    """After each sync into both TP workers: sampled log-probs equal the trainer's forward,
+    and greedy responses to fixed prompts are transformers' greedy continuation of the
+    same weights, token for token, with log-probs equal to its log_softmax within
+    TOLERANCE."""
+    from transformers import AutoModelForCausalLM
+
     policy = Policy(make_cfg(model_dir, 0.7), CPU)
     engine.load_weights({n: t.clone() for n, t in policy.named_weights()}, version=0)
     prompts = prompts_for(engine)
     engine.generate(prompts, N)  # fills the prefix cache with KV of the old weights
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     for version, seed in ((1, 11), (2, 12)):
-        engine.load_weights(perturbed(policy, seed), version=version)
+        weights = perturbed(policy, seed)
+        engine.load_weights(weights, version=version)
         gens = engine.generate(prompts, N)
         assert all((g.versions[:, 0] == version).all() for g in gens)
         lp, rollout_lp, mask = log_probs_of(policy, prompts, gens, engine.pad_id)
         diff = (lp - rollout_lp).abs()[mask]
         assert diff.max().item() < TOLERANCE, f"v{version}: max diff {diff.max().item()}"
+        hf.load_state_dict(weights)
+        for i, prompt in enumerate(prompts):
+            engine.submit(("greedy", version, i), prompt, 1, temperature=0.0)
+        done: dict = {}
+        while engine.in_flight:
+            done.update(engine.step())
+        for i, prompt in enumerate(prompts):
+            greedy = done[("greedy", version, i)]
+            length = int(greedy.response_lengths[0])
+            ids = torch.as_tensor(greedy.response_ids[0, :length], dtype=torch.long)
+            with torch.no_grad():
+                logits = hf(torch.as_tensor([prompt + ids.tolist()])).logits[0].float()
+            logits = logits[len(prompt) - 1 : len(prompt) - 1 + length]
+            assert ids.tolist() == logits.argmax(-1).tolist(), f"v{version} prompt {i}"
+            hf_lp = torch.log_softmax(logits, -1).gather(1, ids[:, None]).squeeze(1)
+            got = torch.as_tensor(greedy.log_probs[0, :length])
+            assert (hf_lp - got).abs().max().item() < TOLERANCE, f"v{version} prompt {i}"
 
 
 def rss_bytes() -> int:
