@@ -110,8 +110,9 @@ class ActorConfig:
     clip_ratio_low: float = 0.2  # PPO clip: ratio >= 1 - clip_ratio_low
     clip_ratio_high: float = 0.2  # PPO clip: ratio <= 1 + clip_ratio_high
     clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages (> 1)
-    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (the
-    # token sums over rollout.response_length instead of each response's length, Dr.GRPO)
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (verl's:
+    # every response's token sum, summed over responses, / rollout.response_length: no mean
+    # over responses, so the loss grows with the batch; no length bias, Dr.GRPO)
     loss_agg_mode: str = "token-mean"
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     entropy_coeff: float = 0.0  # entropy bonus coefficient

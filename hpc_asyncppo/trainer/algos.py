@@ -327,9 +327,12 @@ def agg_loss(
         "token-mean": sum over all masked tokens / number of masked tokens.
         "seq-mean-token-sum": per response sum over its tokens, then mean over responses.
         "seq-mean-token-mean": per response mean over its tokens, then mean over responses.
-        "seq-mean-token-sum-norm": "seq-mean-token-sum" / `norm_length`, a constant (the
-            longest possible response) instead of each response's own length, so the
-            loss has no length bias (Dr.GRPO's MAX_TOKENS, verl's `loss_scale_factor`).
+        "seq-mean-token-sum-norm": verl's: the sum over responses of their token sums,
+            / `norm_length` (verl's `loss_scale_factor`, a constant: the longest possible
+            response), with no mean over responses ("turns off seq-dim averaging"). The
+            loss and its gradient grow with the number of responses; no length bias
+            (Dr.GRPO's MAX_TOKENS). Before, this project also divided by the number of
+            responses (Dr.GRPO's 1/G), a loss that many times smaller than verl's.
     In the seq-mean modes a response with no masked-in token is left out of the mean.
 
     Args:
@@ -357,10 +360,9 @@ def agg_loss(
     seq_losses = masked_sum(loss_mat, loss_mask, dim=-1)
     if loss_agg_mode == "seq-mean-token-mean":
         seq_losses = seq_losses / (token_counts + 1e-8)
-    loss = masked_mean(seq_losses, token_counts > 0)
     if loss_agg_mode == "seq-mean-token-sum-norm":
-        loss = loss / (loss_mask.shape[-1] if norm_length is None else norm_length)
-    return loss
+        return seq_losses.sum() / (loss_mask.shape[-1] if norm_length is None else norm_length)
+    return masked_mean(seq_losses, token_counts > 0)
 
 
 def agg_loss_share(
@@ -380,7 +382,8 @@ def agg_loss_share(
         "token-mean": sum over this part's masked tokens / `global_tokens`.
         "seq-mean-token-sum": sum over this part's responses of their token sums / `global_seqs`.
         "seq-mean-token-mean": sum over this part's responses of their token means / `global_seqs`.
-        "seq-mean-token-sum-norm": as "seq-mean-token-sum", then / `norm_length`.
+        "seq-mean-token-sum-norm": sum over this part's responses of their token sums
+            / `norm_length` (verl's: no division by `global_seqs`).
 
     Args:
         loss_mat: (B, L) per-token loss of this part.
@@ -407,12 +410,11 @@ def agg_loss_share(
     seq_losses = masked_sum(loss_mat, loss_mask, dim=-1)
     if loss_agg_mode == "seq-mean-token-mean":
         seq_losses = seq_losses / loss_mask.sum(dim=-1).clamp(min=1)
-    share = seq_losses.sum() / max(global_seqs, 1.0)
     if loss_agg_mode == "seq-mean-token-sum-norm":
         if norm_length is None:
             raise ValueError("seq-mean-token-sum-norm over a split batch needs norm_length")
-        share = share / norm_length
-    return share
+        return seq_losses.sum() / norm_length
+    return seq_losses.sum() / max(global_seqs, 1.0)
 
 
 def loss_normalisers(loss_mask: torch.Tensor) -> torch.Tensor:

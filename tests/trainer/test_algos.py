@@ -145,8 +145,10 @@ UNEQUAL_MASK = [[1, 1, 1], [1, 0, 0]]
         ("token-mean", (1 + 2 + 3 + 4) / 4),
         ("seq-mean-token-sum", ((1 + 2 + 3) + 4) / 2),
         ("seq-mean-token-mean", ((1 + 2 + 3) / 3 + 4 / 1) / 2),
-        # divided by the padded width 3, not by each response's own length
-        ("seq-mean-token-sum-norm", ((1 + 2 + 3) + 4) / 2 / 3),
+        # verl's: the responses' token sums summed (not averaged over the 2 responses),
+        # divided by the padded width 3, not by each response's own length: 3.333 (the
+        # formula this project had, which also divided by 2, gave 1.667)
+        ("seq-mean-token-sum-norm", ((1 + 2 + 3) + 4) / 3),
     ],
 )
 def test_agg_loss_modes_on_unequal_lengths(mode, expected):
@@ -163,7 +165,7 @@ def test_agg_loss_leaves_out_fully_masked_responses(mode):
 
 def test_seq_mean_token_sum_norm_divides_by_the_given_max_length():
     loss = algos.agg_loss(t(LOSS), t(UNEQUAL_MASK), "seq-mean-token-sum-norm", norm_length=10)
-    close(loss, ((1 + 2 + 3) + 4) / 2 / 10)
+    close(loss, ((1 + 2 + 3) + 4) / 10)
 
 
 def test_agg_loss_rejects_unknown_mode_listing_valid_ones():
@@ -382,7 +384,7 @@ def test_agg_loss_share_by_hand():
     )
     assert algos.agg_loss_share(
         loss, mask, "seq-mean-token-sum-norm", 6, 3, norm_length=4
-    ).item() == pytest.approx((6 + 4) / 3 / 4)
+    ).item() == pytest.approx((6 + 4) / 4)  # no division by the 3 responses (verl)
     assert algos.loss_normalisers(mask).tolist() == [4.0, 2.0]
 
 

@@ -190,7 +190,12 @@ def test_the_recipes_change_the_gradients(split_gradients):
     for algo in ("gspo_kl_entropy_geometric_rs", "reinforce_pp_token_rs"):
         assert np.abs(grad("token-mean", algo) - base).max() > 1e-3 * np.abs(base).max(), algo
     norm, plain = grad("seq-mean-token-sum-norm", "grpo"), grad("seq-mean-token-sum", "grpo")
-    np.testing.assert_allclose(norm * 6, plain, atol=1e-5 * np.abs(plain).max())  # length 6
+    # verl's sum-norm: the token sums summed over the responses, / the length 6; the plain
+    # mode averages them over the responses instead
+    responses = int((make_batch()["response_mask"].sum(axis=1) > 0).sum())
+    np.testing.assert_allclose(
+        norm * 6, plain * responses, atol=1e-5 * np.abs(plain * responses).max()
+    )
 
 
 @pytest.mark.parametrize("algo", ["gspo_kl_entropy_geometric_rs", "reinforce_pp_token_rs"])
