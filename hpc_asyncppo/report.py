@@ -313,6 +313,29 @@ def draw_gantt(ax, data: RunData, t0: float, window: tuple[float, float] | None)
     )
 
 
+def learning_panels(fig, grid, rows: list[dict], steps: list[int]) -> None:
+    """Why a run stalls: the policy's entropy and the groups with no GRPO signal; the
+    rollout's log-probs against the trainer's (rollout_corr) and responses cut at the
+    maximum length. Rows without a metric (older runs) are left out of its line."""
+
+    def line(ax, key: str, label: str) -> None:
+        xs = [s for s, r in zip(steps, rows, strict=True) if key in r]
+        ax.plot(xs, [r[key] for r in rows if key in r], lw=1, label=label)
+
+    ax = fig.add_subplot(grid[3, 0])
+    line(ax, "actor/entropy", "policy entropy (nats)")
+    line(ax, "batch/zero_variance_groups", "share of groups with equal rewards")
+    ax.set(title="entropy and groups without a learning signal", xlabel="step")
+    ax.legend(fontsize="small")
+
+    ax = fig.add_subplot(grid[3, 1])
+    line(ax, "rollout_corr/kl", "kl: mean(old - rollout log-prob)")
+    line(ax, "rollout_corr/k3_kl", "k3 kl")
+    line(ax, "response_length/clip_ratio", "responses cut at the max length")
+    ax.set(title="rollout vs trainer log-probs, clipped responses", xlabel="step")
+    ax.legend(fontsize="small")
+
+
 def plot(data: RunData, summary: Summary, out: Path) -> None:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -320,8 +343,8 @@ def plot(data: RunData, summary: Summary, out: Path) -> None:
     rows = data.rows
     steps = [r["step"] for r in rows]
     t0 = data.t0()
-    fig = Figure(figsize=(13, 17), layout="constrained")
-    grid = fig.add_gridspec(5, 2, height_ratios=[1, 1, 1, 1.1, 1.1])
+    fig = Figure(figsize=(13, 20), layout="constrained")
+    grid = fig.add_gridspec(6, 2, height_ratios=[1, 1, 1, 1, 1.1, 1.1])
     title = f"{data.status.run_dir.name}: {summary.state}, step {summary.steps}/{summary.total_steps or '?'}"
     fig.suptitle(title)
 
@@ -391,12 +414,14 @@ def plot(data: RunData, summary: Summary, out: Path) -> None:
     ax.set(title="idle ratio since the first weight sync", xlabel="step", ylim=(0, 1))
     ax.legend(fontsize="small")
 
-    ax = fig.add_subplot(grid[3, :])
+    learning_panels(fig, grid, rows, steps)
+
+    ax = fig.add_subplot(grid[4, :])
     if t0 is not None and data.timeline:
         draw_gantt(ax, data, t0, None)
     ax.set_title("timeline of every rank (whole run; dashed: a rank restarted)")
 
-    ax = fig.add_subplot(grid[4, :])
+    ax = fig.add_subplot(grid[5, :])
     window = zoom_window(data)
     if t0 is not None and window is not None:
         draw_gantt(ax, data, t0, window)

@@ -195,6 +195,10 @@ def test_finished_run_tensorboard(finished_run: Path) -> None:
     assert {"trainer/idle_ratio", "throughput/samples_per_s", "actor/pg_loss"} <= set(
         acc.Tags()["scalars"]
     )
+    # the always-on learning metrics (entropy with its coefficient 0), in the log and here
+    learning = {"actor/entropy", "rollout_corr/kl", "rollout_corr/k3_kl",
+                "batch/zero_variance_groups", "response_length/mean", "sync/pause_s"}  # fmt: skip
+    assert learning <= set(rows[-1]) and learning <= set(acc.Tags()["scalars"])
 
 
 def test_finished_run_status(finished_run: Path, capsys) -> None:

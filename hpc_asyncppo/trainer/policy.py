@@ -98,11 +98,14 @@ class Policy:
             with_values=with_values,
         )
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over the trainer ranks (in place; float64 on the CPU travels as is)."""
+    def all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> torch.Tensor:
+        """Sum (or ``op``) ``tensor`` over the trainer ranks (in place; float64 on the CPU
+        travels as is)."""
         if self.world > 1:
             on_device = tensor.to(self.device)
-            dist.all_reduce(on_device, group=self.group)
+            dist.all_reduce(on_device, op=op, group=self.group)
             tensor.copy_(on_device)
         return tensor
 
@@ -402,8 +405,10 @@ def micro_batch_loss(
     m = loss_mask(mb)
     # seq-mean-token-sum-norm's constant: the longest response, not this micro-batch's width
     norm_length = cfg.rollout.response_length
+    # the entropy is always computed (logged even when it is not in the loss): the chunked
+    # head's logits are there anyway, its gradient only flows with entropy_coeff > 0
     log_probs, entropy, values = policy.forward(
-        mb, with_entropy=actor.entropy_coeff > 0, with_values=policy.value_head is not None
+        mb, with_entropy=True, with_values=policy.value_head is not None
     )
     if "old_log_probs" not in mb:  # this forward runs on the weights before the update
         mb = {**mb, "old_log_probs": log_probs.detach()}
@@ -427,8 +432,10 @@ def micro_batch_loss(
     stats = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in pg_stats.items()}}
     if entropy is not None:
         ent = algos.aggregate(entropy, m, actor.loss_agg_mode, normalisers, norm_length)
-        loss = loss - actor.entropy_coeff * ent
+        if actor.entropy_coeff > 0:
+            loss = loss - actor.entropy_coeff * ent
         stats["actor/entropy"] = ent.detach()
+    stats.update(rollout_mismatch(policy, mb, m, normalisers))
     if "ref_log_probs" in mb:
         kl_tokens = algos.kl_penalty(log_probs, mb["ref_log_probs"], actor.kl_loss_type)
         kl = algos.aggregate(kl_tokens, m, actor.loss_agg_mode, normalisers, norm_length)
@@ -442,6 +449,46 @@ def micro_batch_loss(
         loss = loss + cfg.critic.value_coef * vf_loss
         stats["critic/vf_loss"], stats["critic/vf_clipfrac"] = vf_loss.detach(), vf_clipfrac
     return loss, stats
+
+
+MAX_STATS = frozenset({"rollout_corr/is_weight_max"})  # reduced by max, not summed
+
+
+def rollout_mismatch(
+    policy: Policy, mb: dict[str, torch.Tensor], m: torch.Tensor, normalisers: tuple
+) -> dict[str, torch.Tensor]:
+    """How far the rollout's log-probs of the sampled tokens are from the trainer's (old)
+    ones: the first thing to look at in an async run. Token means over the mini-batch (this
+    micro-batch's shares): ``rollout_corr/kl``, the mean of old minus rollout log-probs;
+    ``rollout_corr/k3_kl``, its k3 form (r - 1 - log r with r = pi_old / pi_rollout, >= 0);
+    the untruncated token importance weights' mean, the share above
+    ``algorithm.rollout_is_threshold`` (truncated when rollout_is is on) and their max."""
+    with torch.no_grad():
+        log_ratio = (mb["old_log_probs"] - mb["rollout_log_probs"]).clamp(-20.0, 20.0)
+        ratio = torch.exp(log_ratio)
+        threshold = policy.cfg.algorithm.rollout_is_threshold
+
+        def token_mean(x: torch.Tensor) -> torch.Tensor:
+            return algos.aggregate(x, m, "token-mean", normalisers)
+
+        weights = torch.where(m > 0, ratio, 0.0)
+        return {
+            "rollout_corr/kl": token_mean(log_ratio),
+            "rollout_corr/k3_kl": token_mean(ratio - 1 - log_ratio),
+            "rollout_corr/is_weight_mean": token_mean(ratio),
+            "rollout_corr/is_truncated_fraction": token_mean((ratio > threshold).to(ratio.dtype)),
+            "rollout_corr/is_weight_max": weights.max() if weights.numel() else ratio.new_zeros(()),
+        }
+
+
+def _combine(totals: dict, stats: dict) -> None:
+    """Add ``stats`` into ``totals`` (MAX_STATS: keep the larger)."""
+    for k, v in stats.items():
+        v = v.double() if isinstance(v, torch.Tensor) else v
+        if k in MAX_STATS and k in totals:
+            totals[k] = torch.maximum(totals[k], v)
+        else:
+            totals[k] = totals.get(k, 0.0) + v
 
 
 def accumulate_gradients(
@@ -465,8 +512,7 @@ def accumulate_gradients(
             mb["response_mask"] = torch.zeros_like(mb["response_mask"])
         loss, stats = micro_batch_loss(policy, mb, normalisers)
         loss.backward()
-        for k, v in stats.items():
-            totals[k] = totals.get(k, 0.0) + v.double()
+        _combine(totals, stats)
     return totals
 
 
@@ -502,8 +548,7 @@ def ppo_update(policy: Policy, batch: dict[str, torch.Tensor]) -> dict[str, floa
         for i, plan in enumerate(plans):
             if epoch or i:  # the first mini-batch's gradients are in already
                 stats = accumulate_gradients(policy, merged, plan)
-            for k, v in stats.items():
-                totals[k] = totals.get(k, 0.0) + v
+            _combine(totals, stats)
             if actor.grad_clip > 0:
                 norm = torch.nn.utils.clip_grad_norm_(
                     list(policy.module.parameters()), actor.grad_clip
@@ -513,9 +558,12 @@ def ppo_update(policy: Policy, batch: dict[str, torch.Tensor]) -> dict[str, floa
             policy.optimizer.step()
             policy.schedule.after_step()
             updates += 1
-    keys = sorted(totals)
+    keys = sorted(k for k in totals if k not in MAX_STATS)
     summed = policy.all_reduce(torch.stack([totals[k] for k in keys]).cpu()) if keys else []
     stats = {k: float(v) / updates for k, v in zip(keys, summed, strict=True)}
+    for k in sorted(MAX_STATS & totals.keys()):
+        top = totals[k].reshape(1).cpu()
+        stats[k] = float(policy.all_reduce(top, op=dist.ReduceOp.MAX))
     if actor.grad_clip > 0:
         stats["actor/grad_norm"] = grad_norm / updates
     stats["actor/lr"] = policy.schedule.current_lr()

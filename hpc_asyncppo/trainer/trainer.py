@@ -482,6 +482,7 @@ class TrainerLeader:
                     "memory/trainer_state_mb": self.policy.state_bytes() / 2**20,
                     "memory/trainer_peak_mb": peak_memory_mb(self.topo.device),
                     **self.recipe_metrics(groups, rewards),
+                    **batch_metrics(groups, rewards, self.cfg.rollout.response_length),
                     **stats,
                 }
             ]
@@ -671,6 +672,17 @@ class TrainerLeader:
         self.receiver.flush(self.cfg.timeouts.rank_wait_s)
         for writer in (self.metrics, self.trained_log, self.dropped_log, self.timeline):
             writer.close()
+
+
+def batch_metrics(groups: list[SampleGroup], rewards: np.ndarray, max_length: int) -> dict:
+    """What the step trained on: the share of groups whose trained rewards (G, n) are all
+    equal (no GRPO signal), and the responses' mean length and share cut at max_length."""
+    lengths = np.concatenate([g.response_lengths for g in groups]).astype(np.float64)
+    return {
+        "batch/zero_variance_groups": float(np.mean(np.ptp(rewards, axis=1) == 0)),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/clip_ratio": float(np.mean(lengths >= max_length)),
+    }
 
 
 def run_follower(

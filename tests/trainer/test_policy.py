@@ -225,6 +225,41 @@ def test_positive_advantage_raises_the_log_prob_of_its_tokens(tiny_model_dir):
     assert change[0] > 0 and change[1] > 0 and change[2] < 0 and change[3] < 0
 
 
+def test_a_rollout_temperature_the_trainer_does_not_know_shows_in_rollout_corr(
+    tiny_model_dir,
+):
+    """Log-probs from the trainer's own weights and temperature: no mismatch (kl and k3 0,
+    importance weights 1). The same tokens scored at temperature 2, as a rollout engine set
+    apart from the trainer would: kl and k3 rise, weights spread past the threshold. The
+    entropy is logged although its coefficient is 0."""
+    batch = to_tensors(make_batch(rows=8), CPU)
+    trainer = one_rank_policy(tiny_model_dir, actor={"lr": 0.0})
+    hotter = one_rank_policy(tiny_model_dir, rollout={"temperature": 2.0})
+    mask = batch["response_mask"].bool()
+    with torch.no_grad():
+        own, _, _ = trainer.forward(batch)
+        hot, _, _ = hotter.forward(batch)
+    stats = {}
+    for name, rollout in (("same", own), ("hot", hot)):
+        stats[name] = ppo_update(trainer, {**batch, "rollout_log_probs": rollout.detach()})
+    same, hot_stats = stats["same"], stats["hot"]
+    assert abs(same["rollout_corr/kl"]) < 1e-6 and abs(same["rollout_corr/k3_kl"]) < 1e-6
+    assert same["rollout_corr/is_weight_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert same["rollout_corr/is_weight_max"] == pytest.approx(1.0, abs=1e-6)
+    assert same["rollout_corr/is_truncated_fraction"] == 0.0
+    # by hand, over the masked tokens (the tiny random model's logits are flat: a small
+    # but clear mismatch)
+    log_ratio = (own - hot)[mask]
+    assert abs(log_ratio.mean().item()) > 0.01
+    assert hot_stats["rollout_corr/kl"] == pytest.approx(log_ratio.mean().item(), rel=1e-4)
+    k3 = (log_ratio.exp() - 1 - log_ratio).mean().item()
+    assert k3 > 1e-4 and hot_stats["rollout_corr/k3_kl"] == pytest.approx(k3, rel=1e-3)
+    assert hot_stats["rollout_corr/is_weight_max"] == pytest.approx(
+        log_ratio.exp().max().item(), rel=1e-5
+    )
+    assert same["actor/entropy"] > 0 and trainer.cfg.actor.entropy_coeff == 0
+
+
 def gathered_state(policy: Policy) -> dict:
     """What a one-rank checkpoint part holds (its shards are the whole tensors)."""
     return policy.shard_tree()
