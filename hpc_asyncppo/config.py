@@ -171,7 +171,11 @@ class AlgorithmConfig:
     rollout_is: str = "token"
     rollout_is_threshold: float = 2.0  # truncation threshold of the importance weights
     # none | token | sequence | geometric: mask out tokens (token) or whole responses whose
-    # ratio pi_old / pi_rollout (per token, product, geometric mean) is outside the bounds
+    # ratio pi_old / pi_rollout (per token, product, geometric mean) is outside the bounds.
+    # verl's older API names; three differences from verl b178a3c, kept on purpose and
+    # documented in algos.rollout_rejection_mask: the ratio's direction (verl: pi_rollout /
+    # pi_old; equal when lower = 1 / upper), the clamp of the sum (verl: each token), and
+    # advantages over the whole response (verl: after rejection)
     rollout_rs: str = "none"
     rollout_rs_threshold: float = 2.0  # rejection sampling: upper bound on the ratio
     rollout_rs_threshold_lower: float | None = None  # lower bound; unset: 1 / upper (verl)

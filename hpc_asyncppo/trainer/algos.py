@@ -732,7 +732,22 @@ def rollout_rejection_mask(
         "geometric": the response's geometric mean, exp(mean of log-ratios) (thresholds
             close to 1, e.g. 1.001). At both sequence levels a response outside the
             bounds loses all its tokens.
-    Log-ratios (their sum or mean) are clamped to [-20, 20] before exp, as in verl.
+    The statistic (a token's log-ratio, or the sum or mean) is clamped to [-20, 20] before
+    exp, against overflow.
+
+    Differences from verl b178a3c (its names are verl's older API: ``rollout_rs``,
+    ``rollout_rs_threshold``, ``rollout_rs_threshold_lower``), kept on purpose:
+    - verl bounds pi_rollout / pi_old; this bounds pi_old / pi_rollout, the importance
+      weight's direction (as verl's own math document, and its code before 518bada21).
+      The two agree only when lower = 1 / upper, the default here.
+    - verl clamps each token's log-ratio to +-20 before the sequence sum; this clamps the
+      sum (or mean) itself: a token past e^20 then still counts in full, so a response
+      holding one is rejected, not let through by the clamp.
+    - verl applies the rejection mask to the response mask before computing advantages
+      (REINFORCE++ whitens over kept tokens, its return restarts at a rejected token);
+      here advantages are those of the whole sampled response, and rejection only takes
+      tokens out of the loss and its normalisers: the advantage belongs to the
+      trajectory that was sampled, rejection decides which of its tokens train.
 
     Args:
         old_log_prob: (B, L) log-probs recomputed by the trainer before the update.

@@ -560,6 +560,26 @@ def test_geometric_rejection_with_tight_bounds():
     close(keep, [[1, 1, 1], [0, 0, 0]])
 
 
+def test_rejection_bounds_pi_old_over_pi_rollout_where_verl_bounds_the_inverse():
+    """Bounds [0.5, 3.5] (lower != 1 / upper, where the two directions differ): row 0's
+    pi_old / pi_rollout ratios 3, 1, 0.4. Here 3 is kept and 0.4 rejected; verl b178a3c,
+    bounding pi_rollout / pi_old = 1/3, 1, 2.5, would reject the first and keep the last."""
+    keep = algos.rollout_rejection_mask(t(RS_OLD), t(RS_ROLLOUT), t(RS_MASK), "token", 3.5, 0.5)
+    close(keep[0], [1, 1, 0])
+
+
+def test_sequence_rejection_clamps_the_sum_not_each_token():
+    """Token log-ratios 30 and -15: the sum 15 (ratio e^15 > 2) is rejected. verl clamps
+    each token first (20 - 15 = 5, still > log 2 here), so take bounds that tell them
+    apart: upper e^10. The clamped sum 15 is rejected; verl's 5 would be kept."""
+    old, rollout, mask = t([[30.0, -15.0]]), t([[0.0, 0.0]]), t([[1, 1]])
+    keep = algos.rollout_rejection_mask(old, rollout, mask, "sequence", math.exp(10.0), 0.0)
+    close(keep, [[0, 0]])
+    # and a sum beyond the bound is clamped to it, never overflowing exp
+    keep = algos.rollout_rejection_mask(t([[30.0, 30.0]]), rollout, mask, "sequence", 1e30, 0.0)
+    close(keep, [[1, 1]])
+
+
 def test_rollout_rejection_mask_rejects_unknown_level():
     with pytest.raises(ValueError, match="token, sequence, geometric"):
         algos.rollout_rejection_mask(t(RS_OLD), t(RS_ROLLOUT), t(RS_MASK), "group", 2.0)
