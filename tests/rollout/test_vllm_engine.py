@@ -39,7 +39,11 @@ from hpc_asyncppo.trainer.policy import Policy
 from tests.conftest import vllm_environment
 
 CPU = torch.device("cpu")
-TOLERANCE = 1e-4  # fp32, vLLM's oneDNN kernels against transformers' eager ones
+# fp32, vLLM's oneDNN kernels with sums split over two TP workers, against transformers'
+# eager ones, on the 256-wide model: most sampled tokens differ by < 3e-5, the largest seen
+# in a full-suite run was 1.02e-4 (a low-probability token). A wrong or stale weight is
+# off by 0.1 and more (KV of old weights reused: over 1.0).
+TOLERANCE = 3e-4
 RESPONSE_LENGTH = 24
 MAX_PROMPT = 160  # room for a prompt longer than one KV block (128 tokens on CPU)
 N = 4
