@@ -40,6 +40,28 @@ def wait_until_done(job_id: str, timeout_s: float = 180) -> str:
     pytest.fail(f"job {job_id} still {state} after {timeout_s}s")
 
 
+def wait_until_done_or_srun_hung(job_id: str, outputs: list[Path], grace_s: float = 60) -> str:
+    """The job's end state; or "SRUN HUNG" (the job cancelled) when every rank wrote its
+    output and exited but srun has not ended ``grace_s`` later: Slurm 22.05's srun
+    sometimes never exits after a heterogeneous step that finished (both slurmd logs say
+    "done with job"). Real runs go through launch/slurm/step.py, which ends such an srun
+    (tested in test_slurm_step.py); this raw-srun probe only waits it out."""
+    deadline = time.monotonic() + 180
+    written_at = None
+    while time.monotonic() < deadline:
+        state = job_state(job_id)
+        if state not in ACTIVE_STATES:
+            return state
+        if written_at is None and all(p.exists() for p in outputs):
+            written_at = time.monotonic()
+        if written_at is not None and time.monotonic() - written_at > grace_s:
+            subprocess.run(["scancel", job_id])
+            return "SRUN HUNG"
+        time.sleep(1)
+    subprocess.run(["scancel", job_id])
+    pytest.fail(f"job {job_id} still {state} after 180 s, its ranks' outputs not all written")
+
+
 def submit(run_dir: Path, *args: str) -> list[str]:
     return [
         sys.executable, "-m", "hpc_asyncppo.submit", "--config", "local-slurm",
@@ -92,9 +114,8 @@ def test_one_mpi_world_across_both_partitions(shared_dir: Path) -> None:
         ["#!/bin/bash", *sbatch_lines(cfg.slurm, str(shared_dir)), *cfg.slurm.setup, srun]
     )
     job = HetJobExecutor(shared_dir, script + "\n", num_tasks=3).submit_script()
-    assert wait_until_done(job.job_id) == "COMPLETED", (
-        shared_dir / f"{job.job_id}_0_log.err"
-    ).read_text()
+    state = wait_until_done_or_srun_hung(job.job_id, [out / f"rank{i}.json" for i in range(3)])
+    assert state in ("COMPLETED", "SRUN HUNG"), (shared_dir / f"{job.job_id}_0_log.err").read_text()
     records = [json.loads((out / f"rank{i}.json").read_text()) for i in range(3)]
     assert [r["role"] for r in records] == ["rollout", "rollout", "trainer"]
     assert {r["size"] for r in records} == {3}
