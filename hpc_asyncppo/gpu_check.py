@@ -269,7 +269,7 @@ def check_recipe_budget(device: torch.device, work: Path) -> str:
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         size = "7B"
-        shape = ModelShape(**_shape_args(QWEN2_5["7B"]))
+        shape = ModelShape.from_config(QWEN2_5["7B"])
         if sum(trainer_terms(recipe, shape, 1).values()) > 0.9 * total:
             size = "3B"
         tokens = recipe.actor.ppo_max_token_len_per_gpu
@@ -303,15 +303,6 @@ def check_recipe_budget(device: torch.device, work: Path) -> str:
         f"{expected / GB:.1f} GB by memory.py ({peak / expected:.2f}x), {used / seconds:,.0f} "
         f"tokens/s over one update of {used} tokens"
     )
-
-
-def _shape_args(config: dict) -> dict:
-    return dict(
-        vocab=config["vocab_size"], hidden=config["hidden_size"],
-        layers=config["num_hidden_layers"], intermediate=config["intermediate_size"],
-        heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"],
-        tied=config["tie_word_embeddings"],
-    )  # fmt: skip
 
 
 def check_memory_check(device: torch.device, work: Path) -> str:

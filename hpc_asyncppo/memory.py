@@ -54,9 +54,13 @@ class ModelShape:
         """None where ``model_path`` has no readable config.json (nothing to check then)."""
         path = Path(model_path) / "config.json"
         try:
-            c = json.loads(path.read_text())
+            return cls.from_config(json.loads(path.read_text()))
         except (OSError, ValueError):
             return None
+
+    @classmethod
+    def from_config(cls, c: dict) -> ModelShape:
+        """From the fields of an HF config.json."""
         heads = c["num_attention_heads"]
         return cls(
             vocab=c["vocab_size"],

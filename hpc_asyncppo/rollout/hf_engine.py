@@ -250,8 +250,7 @@ class HFEngine:
     def join_weights(self, spec: WeightGroupSpec, first_rank: int) -> None:
         """Join the weight group as rank ``first_rank``; blocks until the group has met."""
         group = open_weight_group(spec, first_rank)
-        on = torch.device("cpu") if spec.backend == "gloo" else self.device
-        self.receiver = WeightReceiver(group, 0, on, target=self.device)
+        self.receiver = WeightReceiver(group, 0, spec.bucket_device(self.device), self.device)
 
     def update_weights(self, expected: int, digest: bool = False) -> WeightUpdate:
         """Receive the next sync now and load it as it arrives: large tensors straight into

@@ -299,9 +299,9 @@ class VLLMEngine:
         self._engine_call(self._rpc, "finish_weight_update")
         if self.cfg.enable_prefix_caching:
             self._reset_prefix_cache()
-        last = self._engine_call(self._rpc, "hpc_asyncppo_last_sync")
+        digests = [w["digest"] for w in self.last_sync()]
         self.version = expected
-        return WeightUpdate(expected, [w["digest"] for w in last], time.monotonic() - start)
+        return WeightUpdate(expected, digests, time.monotonic() - start)
 
     def _check_idle(self) -> None:
         if self.running:

@@ -35,7 +35,6 @@ import signal
 import time
 from dataclasses import dataclass
 
-import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -79,8 +78,9 @@ class WeightGroupEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
         # one engine per data-parallel replica here: the worker's rank is its TP rank
         self.rank = init_info.rank_offset + self.parallel_config.rank
         self.group = open_weight_group(spec, self.rank)
-        on = torch.device(spec.device_type) if spec.backend == "gloo" else self.device
-        self.receiver = WeightReceiver(self.group, 0, on, target=self.device)
+        self.receiver = WeightReceiver(
+            self.group, 0, spec.bucket_device(self.device), target=self.device
+        )
         self.last: dict = {}
 
     def start_weight_update(self) -> None:

@@ -42,7 +42,7 @@ IS_LEVELS = ("token", "sequence")
 RS_LEVELS = ("token", "sequence", "geometric")
 
 # Bound on a log-ratio before exp(): exp(20) ~ 4.9e8 is finite in bf16/fp32.
-_LOG_RATIO_BOUND = 20.0
+LOG_RATIO_BOUND = 20.0
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -468,7 +468,7 @@ def policy_loss(
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {clip_ratio_c}")
-    log_ratio = torch.clamp(log_prob - old_log_prob, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    log_ratio = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)
 
     unclipped = -advantages * ratio
@@ -606,7 +606,7 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
     elif estimator == "k2":
         value = 0.5 * diff.square()
     else:
-        log_ratio = torch.clamp(-diff, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+        log_ratio = torch.clamp(-diff, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         value = torch.clamp(torch.exp(log_ratio) - log_ratio - 1, -10.0, 10.0)
     if not straight_through or estimator == "k2":
         return value
@@ -710,7 +710,7 @@ def rollout_importance_weights(
         raise ValueError(
             f"unknown importance-weight level {level!r}; valid levels: {', '.join(IS_LEVELS)}"
         )
-    weights = torch.exp(torch.clamp(log_weight, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
+    weights = torch.exp(torch.clamp(log_weight, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     return torch.where(mask > 0, torch.clamp(weights, max=threshold), 0.0)
 
 
@@ -776,7 +776,7 @@ def rollout_rejection_mask(
         raise ValueError(
             f"unknown rejection-sampling level {level!r}; valid levels: {', '.join(RS_LEVELS)}"
         )
-    ratio = torch.exp(torch.clamp(statistic, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
+    ratio = torch.exp(torch.clamp(statistic, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     low = 1.0 / upper if lower is None else lower
     keep = (ratio >= low) & (ratio <= upper) & (mask > 0)
     return keep.to(old_log_prob.dtype)

@@ -464,7 +464,8 @@ def rollout_mismatch(
     the untruncated token importance weights' mean, the share above
     ``algorithm.rollout_is_threshold`` (truncated when rollout_is is on) and their max."""
     with torch.no_grad():
-        log_ratio = (mb["old_log_probs"] - mb["rollout_log_probs"]).clamp(-20.0, 20.0)
+        bound = algos.LOG_RATIO_BOUND
+        log_ratio = (mb["old_log_probs"] - mb["rollout_log_probs"]).clamp(-bound, bound)
         ratio = torch.exp(log_ratio)
         threshold = policy.cfg.algorithm.rollout_is_threshold
 
@@ -477,7 +478,7 @@ def rollout_mismatch(
             "rollout_corr/k3_kl": token_mean(ratio - 1 - log_ratio),
             "rollout_corr/is_weight_mean": token_mean(ratio),
             "rollout_corr/is_truncated_fraction": token_mean((ratio > threshold).to(ratio.dtype)),
-            "rollout_corr/is_weight_max": weights.max() if weights.numel() else ratio.new_zeros(()),
+            "rollout_corr/is_weight_max": weights.max(),
         }
 
 

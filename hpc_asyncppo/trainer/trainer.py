@@ -410,8 +410,7 @@ class TrainerLeader:
         """The sender of the weight group, once the group has met (the first sync waits)."""
         if self.broadcaster is None:
             group = self.joining.result(self.cfg.timeouts.weight_sync_s + 30)
-            on_gpu = self.topo.weights.backend == "nccl"
-            device = self.topo.device if on_gpu else torch.device("cpu")
+            device = self.topo.weights.bucket_device(self.topo.device)
             bucket_mb = self.cfg.trainer.weight_sync_bucket_mb
             self.broadcaster = WeightBroadcaster(group, 0, bucket_mb, device)
         return self.broadcaster

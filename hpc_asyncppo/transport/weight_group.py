@@ -37,10 +37,9 @@ class WeightGroupSpec:
     backend: str  # "nccl" or "gloo"
     timeout_s: float
 
-    @property
-    def device_type(self) -> str:
-        """Where buckets travel: CUDA memory under NCCL, host memory under gloo."""
-        return "cuda" if self.backend == "nccl" else "cpu"
+    def bucket_device(self, own: torch.device) -> torch.device:
+        """Where a member's buckets travel: its own GPU under NCCL, host memory under gloo."""
+        return own if self.backend == "nccl" else torch.device("cpu")
 
     def as_dict(self) -> dict:
         return asdict(self)
