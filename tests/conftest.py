@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import pytest
@@ -54,6 +56,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def end_spawned_rank(*queues: object) -> NoReturn:
+    """End a spawned test rank once its work is done and its results are out.
+
+    Leaves through ``os._exit``: in the interpreter's teardown a gloo worker thread can
+    still be freeing a finished collective's tensors; it then needs the GIL that the
+    teardown holds and the process aborts (SIGABRT, "terminate called without an active
+    exception"; a CI run lost a passing test to it). A ``multiprocessing.Queue`` is
+    flushed first (a ``SimpleQueue`` writes at once).
+    """
+    dist.destroy_process_group()
+    for queue in queues:
+        if hasattr(queue, "join_thread"):
+            queue.close()
+            queue.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.fixture(scope="session", autouse=True)

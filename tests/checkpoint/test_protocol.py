@@ -20,6 +20,7 @@ from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.checkpoint.store import CheckpointError
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.trainer.batch import shard_rows, to_tensors
+from tests.conftest import end_spawned_rank
 
 # --- committing, listing, pruning ----------------------------------------------------------
 
@@ -159,7 +160,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, folder: str, out: 
     state = full_state(policy)
     if rank == 0:
         np.savez(Path(out) / f"state-{world}.npz", **state)
-    dist.destroy_process_group()
+    end_spawned_rank()
 
 
 def free_port() -> int:

@@ -22,6 +22,7 @@ from hpc_asyncppo.rollout.hf_engine import HFEngine
 from hpc_asyncppo.runlog import read_jsonl
 from hpc_asyncppo.trainer.policy import Policy
 from hpc_asyncppo.transport.weights import pack, plan_buckets, unpack
+from tests.conftest import end_spawned_rank
 
 pytestmark = [
     pytest.mark.gpu,
@@ -122,7 +123,7 @@ def _nccl_worker(rank: int, port: int, out: str) -> None:
         version, got = WeightReceiver(group, 1, device).receive_all()
         ok = version == 3 and all(torch.equal(got[n], t) for n, t in named)
         Path(out).write_text("ok" if ok else "mismatch")
-    dist.destroy_process_group()
+    end_spawned_rank()
 
 
 @pytest.mark.skipif(GPUS < 2, reason="NCCL needs two GPUs for two ranks")

@@ -29,6 +29,7 @@ from hpc_asyncppo.trainer.policy import (
     ppo_update,
     reference_quantities,
 )
+from tests.conftest import end_spawned_rank
 
 CPU = torch.device("cpu")
 
@@ -133,7 +134,7 @@ def _gradient_worker(rank: int, world: int, port: int, model_dir: str, out: str)
                 if "rs_keep" in merged:
                     grads["rs_counts"] = kept.numpy()
                 np.savez(Path(out) / f"{split}-{mode}-{algo}.npz", **grads)
-    dist.destroy_process_group()
+    end_spawned_rank()
 
 
 def free_port() -> int:

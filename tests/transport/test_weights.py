@@ -22,6 +22,7 @@ from hpc_asyncppo.transport.weights import (
     specs_of,
     unpack,
 )
+from tests.conftest import end_spawned_rank
 
 
 def named_tensors() -> list[tuple[str, torch.Tensor]]:
@@ -128,7 +129,7 @@ def _broadcast_worker(rank: int, world: int, port: int, bucket_mb: int, queue) -
                 for n, t in named
             )
             queue.put((rank, version, ok))
-    dist.destroy_process_group()
+    end_spawned_rank(queue)
 
 
 def test_real_gloo_broadcast_reaches_every_receiver():
@@ -216,7 +217,7 @@ def _streaming_worker(rank: int, world: int, port: int, queue) -> None:
                 )
             )
             queue.put((rank, version, ok, most_alive))
-    dist.destroy_process_group()
+    end_spawned_rank(queue)
 
 
 def test_streamed_sync_round_trips_bit_exactly_with_at_most_two_buckets_alive():
@@ -364,7 +365,7 @@ def _background_worker(rank: int, world: int, port: int, queue) -> None:
         else:  # the staging copy is allocated once and reused
             ok = ok and all(staging[n].data_ptr() == p for n, p in first_ptrs.items())
         queue.put((rank, version, ok, total.item() > 1))
-    dist.destroy_process_group()
+    end_spawned_rank(queue)
 
 
 def test_a_sync_runs_on_side_threads_while_both_loops_go_on():
