@@ -22,6 +22,9 @@ are split over ranks and micro-batches.
 Weights leave the trainer one tensor at a time (``named_weights``: every trainer rank takes
 part in gathering each tensor, the leader sends it, and it is freed); a checkpoint takes
 each rank's own shards (``shard_tree``) and a restore reads back each rank's rows.
+
+Why one long file: the update's passes (old log-probs, losses, backward, the collectives
+that keep it split-invariant) share the sharded model's state and are read as one step.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from hpc_asyncppo.checkpoint.store import CheckpointError, StateReader
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.rollout.generation import DTYPES
 from hpc_asyncppo.runtime.signals import stop_requested
-from hpc_asyncppo.trainer import algos
+from hpc_asyncppo.trainer import advantages, algos
 from hpc_asyncppo.trainer.batch import plan_micro_batches, row_tokens, split_to_count, trim
 from hpc_asyncppo.trainer.model import (
     PolicyModule,
@@ -358,23 +361,7 @@ def reference_quantities(
     if cfg.async_training.use_rollout_log_probs:
         out["old_log_probs"] = batch["rollout_log_probs"]
     algo = cfg.algorithm
-    if algo.adv_estimator in ("gae", "reinforce_plus_plus"):  # per token, on every rank
-        token_rewards = torch.zeros_like(mask)
-        last = (mask.sum(dim=1).long() - 1).clamp(min=0)
-        token_rewards[torch.arange(mask.shape[0]), last] = batch["rewards"]
-        if algo.adv_estimator == "gae":
-            raw, out["returns"] = algos.gae_advantages(
-                token_rewards, out["values"], mask, algo.gamma, algo.lam, whiten=False
-            )
-        else:
-            raw, _ = algos.reinforce_pp_advantages(token_rewards, mask, algo.gamma, whiten=False)
-        # whitened over the whole batch of every trainer rank, as on one rank
-        moments = policy.all_reduce(algos.masked_moments(raw, mask))
-        out["advantages"] = algos.whiten_with(raw, moments)
-        if algo.adv_estimator == "reinforce_plus_plus":
-            out["advantages"] = out["advantages"] * mask  # as verl: 0 on padding
-    else:
-        out["advantages"] = algos.token_advantages(batch["advantages"], mask)
+    out.update(advantages.token_advantages(algo, batch, out.get("values"), policy.all_reduce))
     if algo.rollout_is != "none" and "old_log_probs" in out:
         out["is_weights"] = algos.rollout_importance_weights(
             out["old_log_probs"], batch["rollout_log_probs"], mask,
