@@ -264,6 +264,17 @@ def overlapping_parts(rank: int, ranks: int, old_ranks: int) -> list[int]:
     return list(range(low, high + 1))
 
 
+def continuing_rank(old: int, ranks: int) -> int:
+    """The rollout rank, of ``ranks`` now, that continues old rollout rank ``old``'s cut
+    groups: ``old mod ranks``, so that with fewer ranks than before none is orphaned."""
+    return old % ranks
+
+
+def continued_parts(rank: int, ranks: int, old_ranks: int) -> list[int]:
+    """The old rollout parts rollout rank ``rank`` (of ``ranks``) continues."""
+    return [old for old in range(old_ranks) if continuing_rank(old, ranks) == rank]
+
+
 # --- choosing what to resume from (collective) ---------------------------------------------
 
 _TEXT = 4096

@@ -22,7 +22,9 @@ from hpc_asyncppo.runtime.topology import ROLLOUT, Topology
 def parts_needed(topo: Topology, manifest: dict) -> list[str]:
     """The parts of a checkpoint this rank reads on resume."""
     if topo.role == ROLLOUT:  # its own part, and those of old ranks it takes cut groups from
-        old = range(topo.world_rank, manifest["rollout_ranks"], topo.rollout_ranks)
+        old = protocol.continued_parts(
+            topo.world_rank, topo.rollout_ranks, manifest["rollout_ranks"]
+        )
         return [protocol.rollout_part(o) for o in old]
     rank = topo.world_rank - topo.leader
     old = protocol.overlapping_parts(rank, topo.train_ranks, manifest["train_ranks"])

@@ -1,0 +1,89 @@
+"""The channel between the trainer leader and the other trainer ranks (the followers).
+
+The leader sends each follower one message per order (``Order``): TRAIN with its shard of
+the step's batch, SYNC (every rank gathers its shards of the weights, in step), CHECKPOINT
+(every rank writes its own part and reports it back) and STOP. A follower does nothing
+between two orders, so one tag in each direction suffices; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import numpy as np
+from mpi4py import MPI
+
+from hpc_asyncppo.transport.arrays import pack_arrays, unpack_arrays
+from hpc_asyncppo.transport.waits import poll_until
+
+TAG_ORDER = 21
+TAG_PART = 22
+
+
+class Order(Enum):
+    TRAIN = "train"  # with the follower's shard of the step's batch
+    SYNC = "sync"  # gather the weights with the leader
+    CHECKPOINT = "checkpoint"  # write this rank's part of the step's checkpoint, report it
+    STOP = "stop"
+
+
+class Followers:
+    """The leader's end: ``comm`` is the trainer ranks' communicator, the leader its rank 0."""
+
+    def __init__(self, comm: MPI.Intracomm, timeout_s: float):
+        self.comm, self.timeout_s = comm, timeout_s
+        self.count = comm.Get_size() - 1
+
+    def train(self, shards: list[dict[str, np.ndarray]], step: int) -> None:
+        """Each follower its shard (``shards[0]`` is follower 1's)."""
+        self._send(Order.TRAIN, step, shards)
+
+    def order(self, order: Order, step: int) -> None:
+        self._send(order, step, [{}] * self.count)
+
+    def _send(self, order: Order, step: int, shards: list[dict[str, np.ndarray]]) -> None:
+        requests = []
+        for follower, shard in enumerate(shards, start=1):
+            buf = pack_arrays(shard, {"order": order.value, "step": step})
+            requests.append((self.comm.Isend([buf, MPI.BYTE], dest=follower, tag=TAG_ORDER), buf))
+        poll_until(
+            lambda: all(r.Test() for r, _ in requests),
+            self.timeout_s,
+            "trainer ranks to take their shards",
+        )
+
+    def collect_parts(self) -> list[tuple[str, dict]]:
+        """Every follower's report of its checkpoint part, in rank order."""
+        parts = []
+        for follower in range(1, self.count + 1):
+            status = MPI.Status()
+            poll_until(
+                lambda f=follower, st=status: self.comm.Iprobe(source=f, tag=TAG_PART, status=st),
+                self.timeout_s,
+                f"trainer rank {follower}'s checkpoint part",
+            )
+            buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+            self.comm.Recv([buf, MPI.BYTE], source=follower, tag=TAG_PART)
+            parts.append((f"trainer rank {follower}", unpack_arrays(buf)[1]))
+        return parts
+
+
+def next_order(comm: MPI.Intracomm, timeout_s: float) -> tuple[Order, int, dict]:
+    """A follower's next order from the leader: (order, step, shard)."""
+    status = MPI.Status()
+    poll_until(
+        lambda: comm.Iprobe(source=0, tag=TAG_ORDER, status=status),
+        timeout_s,
+        "a shard from the trainer leader",
+    )
+    buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+    comm.Recv([buf, MPI.BYTE], source=0, tag=TAG_ORDER)
+    shard, meta = unpack_arrays(buf)
+    return Order(meta["order"]), int(meta["step"]), shard
+
+
+def report_part(comm: MPI.Intracomm, report: dict, timeout_s: float) -> None:
+    """A follower's report of the part it wrote (``protocol.write_own_part``)."""
+    buf = pack_arrays({}, report)
+    req = comm.Isend([buf, MPI.BYTE], dest=0, tag=TAG_PART)
+    poll_until(req.Test, timeout_s, "the trainer leader to take the part")
