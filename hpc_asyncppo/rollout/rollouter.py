@@ -48,7 +48,7 @@ import torch
 from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.checkpoint.store import CheckpointReader, rng_state, set_rng_state
 from hpc_asyncppo.config import Config
-from hpc_asyncppo.rollout.engine import make_engine
+from hpc_asyncppo.rollout.engine import RolloutEngine, make_engine
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup
 from hpc_asyncppo.rollout.validation import Validator
 from hpc_asyncppo.runlog import record_weight_digest, sent_groups_writer
@@ -67,14 +67,24 @@ log = logging.getLogger(__name__)
 
 
 class Rollouter:
-    def __init__(self, cfg: Config, topo: Topology, run_dir: Path, resume: dict | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        topo: Topology,
+        run_dir: Path,
+        resume: dict | None = None,
+        engine: RolloutEngine | None = None,
+        sender: SampleSender | None = None,
+    ):
+        """``engine`` and ``sender``: the rank's own (from ``cfg``, over ``topo.inter``)
+        unless given (the unit tests' fakes)."""
         self.cfg, self.topo, self.run_dir = cfg, topo, run_dir
         self.rank = topo.world_rank
         self.task: Task = load_task(cfg.data)
         # Without the prompts the run directory lists as overlong; self.prompts[i].index is
         # a prompt's index in the task (its uid), i its position in the data order.
         self.prompts: list[Prompt] = usable_prompts(self.task.prompts(), run_dir)
-        self.engine = make_engine(cfg, topo.device)
+        self.engine = engine if engine is not None else make_engine(cfg, topo.device)
         startup.mark("engine built")
         self.engine.join_weights(topo.weights, member_rank(self.rank, 0, topo.workers_per_rank))
         startup.mark("weight group joined")
@@ -82,7 +92,7 @@ class Rollouter:
         # groups submitted to the engine: key -> (data epoch, position in prompts, version at start)
         self.in_flight: dict[tuple[int, int], tuple[int, int, int]] = {}
         self.granted: deque[int] = deque()  # draws (prompts) the leader granted, not started
-        self.sender = SampleSender(topo.inter)
+        self.sender = sender if sender is not None else SampleSender(topo.inter)
         self.validator = Validator(cfg, self.rank, topo.rollout_ranks, self.engine, self.sender)
         self.version = -1  # no weights from the trainer yet
         self.last_pause_s = 0.0  # the engine's pause for the last sync
@@ -417,8 +427,8 @@ def run_rollouter(
 ) -> None:
     """``checkpoint``: the checkpoint folder to resume from (None for a fresh start). This
     rank reads its own small part of it (its RNGs, none if the checkpoint was written by
-    fewer rollout ranks) and the cut groups of every old rank ``o`` with ``o % R == rank``
-    (so that with fewer ranks than before no cut group is orphaned); nothing else."""
+    fewer rollout ranks) and the cut groups of the old ranks it continues
+    (``protocol.continuing_rank``); nothing else."""
     torch.set_num_threads(cfg.rollout.torch_threads)
     torch.manual_seed(cfg.trainer.seed * 1000 + topo.world_rank)
     resume = None
@@ -426,7 +436,7 @@ def run_rollouter(
         old_ranks = protocol.read_manifest(checkpoint)["rollout_ranks"]
         resume = {"rng": None, "partial": []}
         names, read = [], 0
-        for old in range(topo.world_rank, old_ranks, topo.rollout_ranks):
+        for old in protocol.continued_parts(topo.world_rank, topo.rollout_ranks, old_ranks):
             part = checkpoint / protocol.rollout_part(old)
             with CheckpointReader(part) as reader:
                 if old == topo.world_rank:
