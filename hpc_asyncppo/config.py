@@ -7,6 +7,9 @@ prints that line and exits non-zero before any rank starts.
 
 Knob names follow verl where verl has them (``async_training.*``,
 ``actor.ppo_mini_batch_size``, ``algorithm.adv_estimator``...).
+
+Why one long file: it is the one place for every knob, its default and its comment, and
+for the checks between knobs; most of its length is those described fields.
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ several threads checksum one large tensor). Leaves:
 Groups have kind ``dict`` (children named by escaped key; an int key is marked on the
 child by ``key_type`` = "int", so optimizer state dicts load back), ``list`` or ``tuple``
 (children named 0..n-1).
+
+Why one long file: the format has one writer and two readers (whole and row-sliced), and
+each must agree with the layout above byte for byte; split, the agreement would span files.
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ Shape names used throughout:
 `response_mask` (B, L) is 1 on the response's own tokens and 0 on padding (and
 on tool/observation tokens in multi-turn responses). It may be bool, int or
 float. Every mean, variance and loss below is taken over it.
+
+Why one long file: every formula a recipe uses sits beside the others it is compared with
+(and with verl's), so that a difference between recipes reads in one place; each function
+is short and pure.
 """
 
 from __future__ import annotations

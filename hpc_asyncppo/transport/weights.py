@@ -33,6 +33,9 @@ ones, and loads the copy between two engine steps (vLLM's workers receive with t
 paused instead: no copy). Only that thread uses the weight group then;
 ``Background.result`` joins it (bounded: the group's own timeout ends a stuck collective)
 and raises what it raised.
+
+Why one long file: it is the sync's wire protocol, both ends of it (the header, the bucket
+layout, the window of operations in flight); split, each end would hide half the protocol.
 """
 
 from __future__ import annotations
