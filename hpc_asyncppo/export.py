@@ -37,11 +37,12 @@ import torch
 from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.checkpoint.store import CheckpointError, fsync_dir, fsync_file
 from hpc_asyncppo.config import Config, load_resolved
+from hpc_asyncppo.paths import CONFIG, MODEL
+from hpc_asyncppo.paths import HF_FINAL as HF_FINAL  # the name trainer/trainer.py imports
 from hpc_asyncppo.rollout.generation import DTYPES
 
 log = logging.getLogger(__name__)
 
-HF_FINAL = "hf_final"  # RUN_DIR/hf_final: checkpoint.save_hf_final's export
 INDEX = "model.safetensors.index.json"
 DEFAULT_SHARD_MB = 5000  # transformers' long-standing max_shard_size default ("5GB")
 DTYPE_NAMES = {
@@ -118,11 +119,9 @@ def safetensors_header(specs: list[TensorSpec], dtype: torch.dtype) -> bytes:
 def run_config(run_dir: Path) -> Config:
     if not run_dir.is_dir():
         raise ExportError(f"run directory {run_dir} does not exist; give the RUN_DIR of a run")
-    path = run_dir / "config.yaml"
+    path = run_dir / CONFIG
     if not path.is_file():
-        raise ExportError(
-            f"{run_dir} is not a run directory (no config.yaml); give a run's RUN_DIR"
-        )
+        raise ExportError(f"{run_dir} is not a run directory (no {CONFIG}); give a run's RUN_DIR")
     try:
         return load_resolved(path)
     except Exception as exc:  # noqa: BLE001 - omegaconf and yaml raise many types
@@ -136,8 +135,8 @@ def model_source(cfg: Config, run_dir: Path) -> Path:
     path = Path(cfg.model.path)
     if (path / "config.json").is_file():
         return path
-    if (run_dir / "model" / "config.json").is_file():
-        return run_dir / "model"
+    if (run_dir / MODEL / "config.json").is_file():
+        return run_dir / MODEL
     raise ExportError(
         f"the run's model.path={cfg.model.path!r} has no config.json (the export takes the "
         "model's config and tokenizer from it); restore that folder"

@@ -34,9 +34,8 @@ import os
 import time
 from pathlib import Path
 
+from hpc_asyncppo.paths import GOODPUT, LOGS, METRICS, TIMELINE
 from hpc_asyncppo.runlog import read_jsonl
-
-GOODPUT = "goodput.jsonl"
 
 
 def process_start_time() -> float:
@@ -65,7 +64,7 @@ def _write(run_dir: Path, rows: list[dict]) -> None:
 
 def last_activity(run_dir: Path) -> float | None:
     """The newest write among the run's logs of progress (for a killed attempt's end)."""
-    paths = [run_dir / "metrics.jsonl", *run_dir.glob("timeline/*"), *run_dir.glob("logs/*")]
+    paths = [run_dir / METRICS, *run_dir.glob(f"{TIMELINE}/*"), *run_dir.glob(f"{LOGS}/*")]
     times = [p.stat().st_mtime for p in paths if p.is_file()]
     return max(times) if times else None
 

@@ -41,6 +41,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hpc_asyncppo.paths import LOGS, METRICS, RANKS, WEIGHTS
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -173,7 +175,7 @@ def check_checkpoint(device: torch.device, work: Path) -> str:
 def run_default_job(device: torch.device, work: Path, steps: int = 300) -> Path:
     """``submit --cluster local`` with the default config; on CUDA, both roles on one GPU."""
     run_dir = work / "default_job"
-    if (run_dir / "metrics.jsonl").exists():
+    if (run_dir / METRICS).exists():
         return run_dir
     env = dict(os.environ)
     if device.type == "cuda":  # roles share the GPU: the case the host-memory sync exists for
@@ -197,11 +199,11 @@ def check_default_job_learns(
     from hpc_asyncppo.runlog import read_jsonl
 
     run_dir = run_default_job(device, work, steps)
-    rewards = [m["reward/mean"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    rewards = [m["reward/mean"] for m in read_jsonl(run_dir / METRICS)]
     first, last = float(np.mean(rewards[:10])), float(np.mean(rewards[-20:]))
     if min_reward is not None:
         assert first < 0.2 and last >= min_reward, f"reward {first:.2f} -> {last:.2f}"
-    logs = (run_dir / "logs" / "rank1.log").read_text()
+    logs = (run_dir / LOGS / "rank1.log").read_text()
     on = "cuda:0" if device.type == "cuda" else "cpu"
     assert f"trainer rank on {on}" in logs, f"trainer rank not on {on}"
     return f"reward {first:.2f} -> {last:.2f} over {len(rewards)} logged steps, trainer on {on}"
@@ -213,13 +215,13 @@ def check_weight_sync_via_host(device: torch.device, work: Path, steps: int = 30
     from hpc_asyncppo.runlog import read_jsonl
 
     run_dir = run_default_job(device, work, steps)
-    log = (run_dir / "logs" / "rank0.log").read_text()
+    log = (run_dir / LOGS / "rank0.log").read_text()
     on = "cuda:0" if device.type == "cuda" else "cpu"
     assert f"rollout rank on {on}; weights travel over gloo" in log, "sync did not go via the host"
-    ranks = [json.loads((run_dir / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((run_dir / RANKS / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["gpus"] == ranks[1]["gpus"], f"roles on different GPUs: {ranks}"
-    leader = {r["version"]: r["digest"] for r in read_jsonl(run_dir / "weights" / "rank1.jsonl")}
-    mine = {r["version"]: r["digest"] for r in read_jsonl(run_dir / "weights" / "rank0.jsonl")}
+    leader = {r["version"]: r["digest"] for r in read_jsonl(run_dir / WEIGHTS / "rank1.jsonl")}
+    mine = {r["version"]: r["digest"] for r in read_jsonl(run_dir / WEIGHTS / "rank0.jsonl")}
     assert mine == leader and leader, f"rollout digests differ from the trainer's ({len(leader)})"
     where = f"GPUs {ranks[0]['gpus']}" if ranks[0]["gpus"] else "the CPU"
     return f"{len(leader)} syncs bit-exact through host memory, both roles on {where}"

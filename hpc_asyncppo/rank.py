@@ -14,6 +14,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from hpc_asyncppo.paths import CONFIG, LOGS
+
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
@@ -36,7 +38,7 @@ def main(argv: list[str]) -> int:
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     role = "unknown"
     logging.basicConfig(
-        filename=run_dir / "logs" / f"rank{rank}.log",
+        filename=run_dir / LOGS / f"rank{rank}.log",
         level=logging.INFO,
         format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s",
     )
@@ -49,7 +51,7 @@ def main(argv: list[str]) -> int:
         from hpc_asyncppo.config import load_resolved
         from hpc_asyncppo.launch.gpus import bind_gpus
 
-        cfg = load_resolved(run_dir / "config.yaml")
+        cfg = load_resolved(run_dir / CONFIG)
         # Before anything initialises CUDA (transformers may, on import) and before vLLM
         # starts: torch and vLLM's workers read CUDA_VISIBLE_DEVICES only once.
         gpus = bind_gpus(cfg, rank, size, rollout_rank_count())

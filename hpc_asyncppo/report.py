@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from hpc_asyncppo import timeline as tl
-from hpc_asyncppo.runlog import DROPPED, TRAINED, format_validation, read_jsonl
+from hpc_asyncppo.paths import DROPPED, REPORT, TRAINED
+from hpc_asyncppo.runlog import format_validation, read_jsonl
 from hpc_asyncppo.status import Checkpoint, RankError, RunStatus, collect, goodput_lines
 
-REPORT = "report.png"
 SPAN_COLORS = {
     "generate": "#2ca02c",
     "train": "#1f77b4",

@@ -25,13 +25,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from hpc_asyncppo.paths import DROPPED, METRICS, SENT, TENSORBOARD, TRAINED, WEIGHTS
+
 if TYPE_CHECKING:  # not imported: the launcher reads metrics without torch (seconds to import)
     import torch
-
-METRICS = "metrics.jsonl"
-TRAINED = "trained_samples.jsonl"
-DROPPED = "dropped_samples.jsonl"
-TENSORBOARD = "tensorboard"
 
 
 class JsonlWriter:
@@ -174,13 +171,13 @@ def weights_digest(named: list[tuple[str, torch.Tensor]]) -> str:
 
 
 def record_weight_digest(run_dir: Path, rank: int, version: int, digest: str) -> None:
-    writer = JsonlWriter(run_dir / "weights" / f"rank{rank}.jsonl")
+    writer = JsonlWriter(run_dir / WEIGHTS / f"rank{rank}.jsonl")
     writer.write([{"version": version, "digest": digest}])
     writer.close()
 
 
 def sent_groups_writer(run_dir: Path, rank: int) -> JsonlWriter:
-    return JsonlWriter(run_dir / "sent" / f"rank{rank}.jsonl")
+    return JsonlWriter(run_dir / SENT / f"rank{rank}.jsonl")
 
 
 def truncate_to_step(run_dir: Path, step: int) -> None:

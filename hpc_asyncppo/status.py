@@ -20,11 +20,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from hpc_asyncppo import goodput
-from hpc_asyncppo.launch.rundir import CONFIG, error_line, read_rank_info
-from hpc_asyncppo.runlog import METRICS, format_validation, read_jsonl, split_metrics
-from hpc_asyncppo.timeline import TIMELINE
-
-CHECKPOINTS = "checkpoints"
+from hpc_asyncppo.launch.rundir import error_line, read_rank_info
+from hpc_asyncppo.paths import CONFIG, ERRORS, JOB_ID, METRICS, RANKS, SLURM, TIMELINE
+from hpc_asyncppo.runlog import format_validation, read_jsonl, split_metrics
 
 
 @dataclass
@@ -104,7 +102,7 @@ def last_checkpoint(run_dir: Path) -> Checkpoint | None:
 def rank_error_list(run_dir: Path, ranks: list[dict]) -> list[RankError]:
     started = {info["rank"]: info for info in ranks}
     errors = []
-    for path in sorted((run_dir / "errors").glob("rank*.txt"), key=lambda p: int(p.stem[4:])):
+    for path in sorted((run_dir / ERRORS).glob("rank*.txt"), key=lambda p: int(p.stem[4:])):
         text = path.read_text().strip()
         if not text:
             continue
@@ -116,7 +114,7 @@ def rank_error_list(run_dir: Path, ranks: list[dict]) -> list[RankError]:
 
 
 def slurm_job_id(run_dir: Path, ranks: list[dict]) -> str | None:
-    path = run_dir / "slurm" / "job_id"
+    path = run_dir / SLURM / JOB_ID
     if path.exists() and path.read_text().strip():
         return path.read_text().strip()
     ids = [info.get("slurm_job_id") for info in ranks if info.get("slurm_job_id")]
@@ -171,7 +169,7 @@ def run_state(ranks: list[dict], errors: list[RankError], job_state: str | None)
 
 def collect(run_dir: Path) -> RunStatus:
     run_dir = Path(run_dir)
-    ranks = read_rank_info(run_dir) if (run_dir / "ranks").exists() else []
+    ranks = read_rank_info(run_dir) if (run_dir / RANKS).exists() else []
     rows = metrics_rows(run_dir)
     errors = rank_error_list(run_dir, ranks)
     job_id = slurm_job_id(run_dir, ranks)

@@ -28,15 +28,9 @@ from hpc_asyncppo.config import (
     load_config,
     to_yaml,
 )
-from hpc_asyncppo.launch.rundir import (
-    CONFIG,
-    RunDirError,
-    default_run_dir,
-    prepare_run_dir,
-)
+from hpc_asyncppo.launch.rundir import RunDirError, default_run_dir, prepare_run_dir
 from hpc_asyncppo.launch.slurm import cli as slurm_cli
-
-LAUNCH = "launch.json"  # RUN_DIR/launch.json: where and with how many ranks the run was started
+from hpc_asyncppo.paths import CHECKPOINTS, CONFIG, LAUNCH
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -143,7 +137,7 @@ def report_resume_point(run_dir: Path) -> None:
         return
     if found:
         raise ConfigError(
-            f"no valid checkpoint in {run_dir / 'checkpoints'} (see the warnings above)"
+            f"no valid checkpoint in {run_dir / CHECKPOINTS} (see the warnings above)"
         )
     print(f"no checkpoint in {run_dir}: starting it over", flush=True)
 

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpc_asyncppo.paths import TIMELINE
 from hpc_asyncppo.runlog import end_torn_line
 
-TIMELINE = "timeline"
 SPANS = {
     "rollout": ("generate", "send", "wait", "sync", "checkpoint"),
     "trainer": ("wait", "train", "sync", "checkpoint"),

@@ -27,8 +27,9 @@ from hpc_asyncppo.config import (
     load_resolved,
     to_yaml,
 )
-from hpc_asyncppo.export import HF_FINAL, INDEX
+from hpc_asyncppo.export import INDEX
 from hpc_asyncppo.models.tiny import build_tokenizer
+from hpc_asyncppo.paths import HF_FINAL
 from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.policy import Policy
 from hpc_asyncppo.trainer.trainer import write_trainer_part

@@ -20,7 +20,8 @@ import pytest
 
 from hpc_asyncppo import report, status
 from hpc_asyncppo import timeline as tl
-from hpc_asyncppo.runlog import METRICS, TRAINED, read_jsonl
+from hpc_asyncppo.paths import METRICS, REPORT, TRAINED
+from hpc_asyncppo.runlog import read_jsonl
 
 pytestmark = pytest.mark.mpi
 
@@ -136,7 +137,7 @@ def check_idle_ratios(run_dir: Path) -> None:
 def check_report_agrees_with_metrics(run_dir: Path, capsys) -> report.Summary:
     assert report.main([str(run_dir)]) == 0
     out = capsys.readouterr().out
-    png = run_dir / report.REPORT
+    png = run_dir / REPORT
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     summary = report.summarize(report.load(run_dir))
     rows = status.metrics_rows(run_dir)

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from hpc_asyncppo import status
-from hpc_asyncppo.runlog import METRICS, MetricsWriter
+from hpc_asyncppo.paths import METRICS
+from hpc_asyncppo.runlog import MetricsWriter
 from hpc_asyncppo.timeline import Timeline
 
 

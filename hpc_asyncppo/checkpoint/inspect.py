@@ -16,12 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from hpc_asyncppo.checkpoint import protocol
-from hpc_asyncppo.checkpoint.store import (
-    CHECKPOINT_DIR,
-    CheckpointError,
-    CheckpointSummary,
-    describe_checkpoint,
-)
+from hpc_asyncppo.checkpoint.store import CheckpointError, CheckpointSummary, describe_checkpoint
+from hpc_asyncppo.paths import CHECKPOINTS
 from hpc_asyncppo.transport.arrays import WireError, unpack_arrays
 
 _HEADLINE = ("step", "param_version")
@@ -109,7 +105,7 @@ def folder_report(folder: Path, manifest: dict, parts: list[CheckpointSummary]) 
 def inspect_run_dir(run_dir: Path) -> int:
     folders = protocol.list_checkpoints(run_dir)
     if not folders:
-        print(f"{run_dir}: no checkpoints under {run_dir / CHECKPOINT_DIR}", file=sys.stderr)
+        print(f"{run_dir}: no checkpoints under {run_dir / CHECKPOINTS}", file=sys.stderr)
         return 1
     status = 0
     for folder in folders:
@@ -130,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.path.is_dir() and not (args.path / protocol.MANIFEST).exists():
-        run_dir = args.path.parent if args.path.name == CHECKPOINT_DIR else args.path
+        run_dir = args.path.parent if args.path.name == CHECKPOINTS else args.path
         return inspect_run_dir(run_dir)
     try:
         if args.path.is_dir():

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from hpc_asyncppo.config import Config, ConfigError
 from hpc_asyncppo.launch.progress import follow
-from hpc_asyncppo.launch.rundir import PREEMPTED, rank_errors, read_rank_info
+from hpc_asyncppo.launch.rundir import rank_errors, read_rank_info
+from hpc_asyncppo.paths import LOGS, PREEMPTED
 from hpc_asyncppo.runtime import startup
 
 # Set by an MPI runtime for its own processes: a launcher that inherits them (started from a
@@ -109,7 +110,7 @@ def run_local(cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int) 
     it forwards to every rank, and the trainer leader checkpoints at the next step boundary
     and stops the others. A second Ctrl-C kills the job at once.
     """
-    log_path = run_dir / "logs" / "mpirun.log"
+    log_path = run_dir / LOGS / "mpirun.log"
     cmd = mpirun_command(run_dir, rollout_ranks, train_ranks)
     received: list[int] = []
 

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from hpc_asyncppo.runlog import METRICS, format_validation, is_validation_row
+from hpc_asyncppo.paths import METRICS
+from hpc_asyncppo.runlog import format_validation, is_validation_row
 
 
 def describe(row: dict, total_steps: int) -> str:

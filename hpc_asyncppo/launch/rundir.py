@@ -1,14 +1,6 @@
 """The run directory: created before any rank starts, read by every rank and by the tools.
 
-RUN_DIR/config.yaml        the resolved config (the ranks read only this)
-RUN_DIR/model/             the tiny default model, when model.path was empty (a copy of
-                           a cached build, models/tiny.py)
-RUN_DIR/overlong_prompts.json  prompts left out for exceeding data.max_prompt_length (if any)
-RUN_DIR/ranks/rank{i}.json where each rank ran (host, Slurm partition, pid, GPUs) and its state
-RUN_DIR/errors/rank{i}.txt one line per failed rank: what went wrong
-RUN_DIR/logs/              per-rank logs and the launcher's log
-RUN_DIR/checkpoints/       HDF5 checkpoints (hpc_asyncppo.checkpoint)
-RUN_DIR/preempted          present while the run is stopped on a signal with a checkpoint, to resume
+What it holds, and the names of its files and folders: ``hpc_asyncppo/paths.py``.
 """
 
 from __future__ import annotations
@@ -25,12 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_asyncppo.config import Config, ConfigError, to_yaml
+from hpc_asyncppo.paths import CONFIG, ERRORS, LOGS, MODEL, OVERLONG, RANKS
+from hpc_asyncppo.paths import PREEMPTED as PREEMPTED  # the name trainer/trainer.py imports
 
 if TYPE_CHECKING:
     from hpc_asyncppo.tasks import Task
-
-CONFIG = "config.yaml"
-PREEMPTED = "preempted"
 
 
 def default_run_dir(cfg: Config, root: str | Path = "runs") -> Path:
@@ -61,7 +52,7 @@ def prepare_run_dir(
     run_dir = run_dir.resolve()
     if (run_dir / CONFIG).exists():
         raise FileExistsError(
-            f"{run_dir} already holds a run (config.yaml exists); choose another --run-dir"
+            f"{run_dir} already holds a run ({CONFIG} exists); choose another --run-dir"
         )
     task = load_task(cfg.data)  # fails early on a bad dataset or task, before anything is written
     if cfg.data.val:
@@ -77,7 +68,7 @@ def prepare_run_dir(
     if overlong:
         (warn or _warn_on_stderr)(
             f"dropped {overlong} of {len(task.prompts())} prompts longer than "
-            f"data.max_prompt_length={cfg.data.max_prompt_length} tokens (listed in {run_dir / 'overlong_prompts.json'})"
+            f"data.max_prompt_length={cfg.data.max_prompt_length} tokens (listed in {run_dir / OVERLONG})"
         )
     return cfg
 
@@ -85,15 +76,13 @@ def prepare_run_dir(
 def _write_run_dir(
     cfg: Config, task: Task, run_dir: Path, extra_files: dict[str, str]
 ) -> tuple[Config, int]:
-    for sub in ("ranks", "errors", "logs"):
+    for sub in (RANKS, ERRORS, LOGS):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     tokenizer = None
     if not cfg.model.path:
         from hpc_asyncppo.models.tiny import TinyTokenizer, tiny_model
 
-        model_dir = tiny_model(
-            run_dir / "model", task.vocabulary(), cfg.model.tiny, cfg.trainer.seed
-        )
+        model_dir = tiny_model(run_dir / MODEL, task.vocabulary(), cfg.model.tiny, cfg.trainer.seed)
         tokenizer = TinyTokenizer(model_dir)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_dir)))
     overlong = drop_overlong_prompts(cfg, task, run_dir, tokenizer)
@@ -193,26 +182,26 @@ def write_rank_info(
         "state": state,
         "time": time.time(),
     }
-    path = run_dir / "ranks" / f"rank{rank}.json"
+    path = run_dir / RANKS / f"rank{rank}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(info))
     tmp.replace(path)
 
 
 def read_rank_info(run_dir: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((run_dir / "ranks").glob("rank*.json"))]
+    return [json.loads(p.read_text()) for p in sorted((run_dir / RANKS).glob("rank*.json"))]
 
 
 def write_rank_error(run_dir: Path, rank: int, message: str) -> None:
-    (run_dir / "errors").mkdir(parents=True, exist_ok=True)
-    (run_dir / "errors" / f"rank{rank}.txt").write_text(message.strip() + "\n")
+    (run_dir / ERRORS).mkdir(parents=True, exist_ok=True)
+    (run_dir / ERRORS / f"rank{rank}.txt").write_text(message.strip() + "\n")
 
 
 def rank_errors(run_dir: Path) -> list[str]:
     """One line per rank that recorded a failure, in rank order: its whole message joined
     on one line (h5py, for one, puts "No space left on device" on a later line), without
     the traceback that follows it in the file."""
-    files = sorted((run_dir / "errors").glob("rank*.txt"), key=lambda p: int(p.stem[4:]))
+    files = sorted((run_dir / ERRORS).glob("rank*.txt"), key=lambda p: int(p.stem[4:]))
     return [line for line in (error_line(p.read_text()) for p in files) if line]
 
 

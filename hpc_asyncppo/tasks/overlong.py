@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from hpc_asyncppo.config import ConfigError, DataConfig
+from hpc_asyncppo.paths import OVERLONG
 from hpc_asyncppo.tasks import Prompt, tokenize_prompt
-
-OVERLONG = "overlong_prompts.json"
 
 
 def find_overlong(

@@ -27,7 +27,6 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-OVERFLOW_FILE = "overflow.h5"
 _DATA_CHUNK = 256 * 1024  # bytes per HDF5 chunk of the data dataset
 _ENDS_CHUNK = 8192  # items per chunk of the offsets dataset
 _ENDS_WINDOW = 65536  # offsets read at once when refilling

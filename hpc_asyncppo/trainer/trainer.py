@@ -37,6 +37,7 @@ from hpc_asyncppo.checkpoint.store import (
 )
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.launch.rundir import PREEMPTED
+from hpc_asyncppo.paths import OVERFLOW
 from hpc_asyncppo.runtime import startup
 from hpc_asyncppo.runtime.signals import stop_requested, stop_requested_at
 from hpc_asyncppo.runtime.topology import Topology
@@ -87,7 +88,7 @@ class TrainerLeader:
             cfg,
             self.receiver,
             # encoded groups, oldest first; past buffer.memory_limit_mb they wait on disk
-            SpillQueue(run_dir / "overflow.h5", cfg.buffer.memory_limit_mb),
+            SpillQueue(run_dir / OVERFLOW, cfg.buffer.memory_limit_mb),
             num_prompts,
             topo.rollout_ranks,
             on_group=self.note_rollout,

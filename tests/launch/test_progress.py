@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from hpc_asyncppo.launch.progress import follow
-from hpc_asyncppo.runlog import METRICS
+from hpc_asyncppo.paths import METRICS
 
 
 def row(step: int) -> dict:

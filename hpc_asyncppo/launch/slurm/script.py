@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from hpc_asyncppo.launch.slurm.options import ComponentConfig, SlurmConfig
+from hpc_asyncppo.paths import CONFIG, PREEMPTED, SLURM
 
 RANK_MODULE = "hpc_asyncppo.rank"
 STEP_MODULE = "hpc_asyncppo.launch.slurm.step"
@@ -42,13 +43,13 @@ TEMPLATE_HEADER = """\
 #    metrics in $HPC_ASYNCPPO_RUN_DIR/metrics.jsonl.
 """
 
-_TEMPLATE_PROLOGUE = """\
-: "${HPC_ASYNCPPO_RUN_DIR:?set HPC_ASYNCPPO_RUN_DIR to a run directory on a shared filesystem}"
+_TEMPLATE_PROLOGUE = f"""\
+: "${{HPC_ASYNCPPO_RUN_DIR:?set HPC_ASYNCPPO_RUN_DIR to a run directory on a shared filesystem}}"
 export HPC_ASYNCPPO_RUN_DIR
-HPC_ASYNCPPO_PYTHON=${HPC_ASYNCPPO_PYTHON:-python3}
-if [ ! -f "$HPC_ASYNCPPO_RUN_DIR/config.yaml" ]; then
+HPC_ASYNCPPO_PYTHON=${{HPC_ASYNCPPO_PYTHON:-python3}}
+if [ ! -f "$HPC_ASYNCPPO_RUN_DIR/{CONFIG}" ]; then
     # shellcheck disable=SC2086  # HPC_ASYNCPPO_ARGS is a list of words on purpose
-    "$HPC_ASYNCPPO_PYTHON" -m hpc_asyncppo.launch.slurm.prepare "$HPC_ASYNCPPO_RUN_DIR" ${HPC_ASYNCPPO_ARGS:-}
+    "$HPC_ASYNCPPO_PYTHON" -m hpc_asyncppo.launch.slurm.prepare "$HPC_ASYNCPPO_RUN_DIR" ${{HPC_ASYNCPPO_ARGS:-}}
 fi
 """
 
@@ -129,11 +130,11 @@ def srun_command(cfg: SlurmConfig) -> str:
     return f'"$HPC_ASYNCPPO_PYTHON" -m {STEP_MODULE} "$HPC_ASYNCPPO_RUN_DIR" \\\n    {srun}'
 
 
-REQUEUE = """\
+REQUEUE = f"""\
 # On the warning signal (slurm.signal) or a preemption the ranks checkpoint and exit 0,
 # leaving RUN_DIR/preempted: requeue the whole job (a hetjob requeues from its leader);
 # when it starts again the ranks resume from that checkpoint.
-if [ -f "$HPC_ASYNCPPO_RUN_DIR/preempted" ]; then
+if [ -f "$HPC_ASYNCPPO_RUN_DIR/{PREEMPTED}" ]; then
     scontrol requeue "$SLURM_JOB_ID"
 fi"""
 
@@ -158,7 +159,7 @@ def batch_script(cfg: SlurmConfig, run_dir: str, python: str | None = None) -> s
         f"HPC_ASYNCPPO_PYTHON={shlex.quote(python)}\n"
     )
     header = ["#!/bin/bash", "# hpc_asyncppo run " + run_dir + " (written by hpc_asyncppo.submit)"]
-    lines = header + sbatch_lines(cfg, f"{run_dir}/slurm") + _body(cfg, prologue)
+    lines = header + sbatch_lines(cfg, f"{run_dir}/{SLURM}") + _body(cfg, prologue)
     return "\n".join(lines) + "\n"
 
 

@@ -30,6 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpc_asyncppo.paths import CONFIG, RANKS
+
 POLL_S = 1.0
 TERMINATE_WAIT_S = 15.0  # after SIGTERM, before SIGKILL
 # Starts the line the wrapper writes to the job's stderr when it ends srun itself; srun's
@@ -75,7 +77,7 @@ class StepWatch:
     def ranks(self) -> list[dict]:
         """This attempt's rank records (earlier attempts of a requeued job are skipped)."""
         records = []
-        for path in (self.run_dir / "ranks").glob("rank*.json"):
+        for path in (self.run_dir / RANKS).glob("rank*.json"):
             try:
                 info = json.loads(path.read_text())
             except (OSError, ValueError):
@@ -160,7 +162,7 @@ def _end(proc: subprocess.Popen) -> None:
 def _exit_grace(run_dir: Path) -> float:
     from hpc_asyncppo.config import load_resolved
 
-    return load_resolved(run_dir / "config.yaml").timeouts.step_exit_s
+    return load_resolved(run_dir / CONFIG).timeouts.step_exit_s
 
 
 def main(argv: list[str]) -> int:

@@ -15,6 +15,7 @@ from hpc_asyncppo.launch.slurm.cluster import ACTIVE_STATES, SlurmError, job_sta
 from hpc_asyncppo.launch.slurm.executor import HetJobExecutor
 from hpc_asyncppo.launch.slurm.script import batch_script
 from hpc_asyncppo.launch.slurm.step import ENDING_SRUN, task_death
+from hpc_asyncppo.paths import JOB_ID, METRICS, SLURM
 
 POLL_S = 2.0
 # After the last task ends Slurm needs a moment (COMPLETING) before the final state shows.
@@ -34,17 +35,17 @@ def submit_slurm(cfg: Config, run_dir: Path, args: argparse.Namespace) -> int:
         return 0
     ranks = cfg.slurm.rollout.ranks + cfg.slurm.train.ranks
     try:
-        job = HetJobExecutor(run_dir / "slurm", script, ranks).submit_script()
+        job = HetJobExecutor(run_dir / SLURM, script, ranks).submit_script()
     except SlurmError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    (run_dir / "slurm" / "job_id").write_text(job.job_id + "\n")
+    (run_dir / SLURM / JOB_ID).write_text(job.job_id + "\n")
     print(
         f"submitted job {job.job_id}: {cfg.slurm.rollout.ranks} rollout + {cfg.slurm.train.ranks} trainer ranks"
     )
     if not getattr(args, "wait", False):
         print(
-            f"  follow:  tail -f {run_dir}/metrics.jsonl   (job output: {log_path(run_dir, job.job_id)})"
+            f"  follow:  tail -f {run_dir / METRICS}   (job output: {log_path(run_dir, job.job_id)})"
         )
         print(f"  status:  squeue -j {job.job_id}     stop: scancel {job.job_id}")
         return 0
@@ -111,7 +112,7 @@ def task_deaths(run_dir: Path, job_id: str) -> list[str]:
 
 def log_path(run_dir: Path, job_id: str) -> Path:
     """The job's output: both components' ranks, each line prefixed with its world rank."""
-    return run_dir / "slurm" / f"{job_id}_0_log.out"
+    return run_dir / SLURM / f"{job_id}_0_log.out"
 
 
 def final_state(job_id: str) -> str:
