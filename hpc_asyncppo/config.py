@@ -24,6 +24,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hpc_asyncppo.launch.gpus import slurm_layout_problem
 from hpc_asyncppo.launch.slurm.options import SlurmConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -514,33 +515,9 @@ def _check_combinations(cfg: Config) -> None:
 def _check_gpu_layout(cfg: Config) -> None:
     """Each Slurm rank gets its own GPUs: a rollout rank tensor_parallel_size, a trainer
     rank one, every requested GPU in one rank's set (launch/gpus.py). Raises ConfigError."""
-    from hpc_asyncppo.launch.gpus import ROLLOUT, TRAINER, layout_problem
-
-    rollout, train = cfg.slurm.rollout, cfg.slurm.train
-    if min(rollout.gpus_per_node, train.gpus_per_node, rollout.ntasks_per_node,
-           train.ntasks_per_node) < 0:  # fmt: skip
-        return  # launch/slurm/checks.py refuses negative counts, naming the key
-    if rollout.gpus_per_node:
-        gpus_per_rank = rollout.gpus_per_node // rollout.tasks_per_node
-        if cfg.rollout.tensor_parallel_size > gpus_per_rank:
-            raise ConfigError(
-                f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} but each rollout "
-                f"rank has {gpus_per_rank} GPU(s) (slurm.rollout.gpus_per_node="
-                f"{rollout.gpus_per_node} over {rollout.tasks_per_node} ranks per node); lower it "
-                "or set slurm.rollout.ntasks_per_node to gpus_per_node / tensor_parallel_size"
-            )
-    for role, c in ((ROLLOUT, rollout), (TRAINER, train)):
-        problem = layout_problem(
-            role, c.tasks_per_node, c.gpus_per_node, cfg.rollout.tensor_parallel_size
-        )
-        if problem:
-            raise ConfigError(problem)
-    if bool(rollout.gpus_per_node) != bool(train.gpus_per_node):
-        # One side on CPUs would put NCCL and gloo ranks in one weight-broadcast group.
-        raise ConfigError(
-            f"GPUs on one component only (slurm.rollout.gpus_per_node={rollout.gpus_per_node}, "
-            f"slurm.train.gpus_per_node={train.gpus_per_node}): request GPUs for both, or neither"
-        )
+    problem = slurm_layout_problem(cfg.slurm, cfg.rollout.tensor_parallel_size)
+    if problem:
+        raise ConfigError(problem)
 
 
 def check_memory(cfg: Config, train_ranks: int) -> None:

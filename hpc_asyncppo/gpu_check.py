@@ -108,13 +108,14 @@ def check_gpu_binding(device: torch.device, work: Path) -> str:
     cfg = load_config("qwen2.5-7b-gsm8k")
     rollout, train = cfg.slurm.rollout, cfg.slurm.train
     r, t = rollout.ranks, train.ranks
+    tp = cfg.rollout.tensor_parallel_size
     eight = ",".join(map(str, range(8)))
     sets: dict[str, list[list[int | str]]] = {"rollout": [], "trainer": []}
     for world_rank in range(r + t):
         role, c = ("rollout", rollout) if world_rank < r else ("trainer", train)
         local = (world_rank if world_rank < r else world_rank - r) % c.tasks_per_node
         env = {"SLURM_LOCALID": str(local), "CUDA_VISIBLE_DEVICES": eight}
-        sets[role].append(bind_gpus(cfg, world_rank, r + t, r, env))
+        sets[role].append(bind_gpus(cfg.slurm, tp, world_rank, r + t, r, env))
     per_node = {role: s[: (rollout if role == "rollout" else train).tasks_per_node]
                 for role, s in sets.items()}  # fmt: skip
     for role, node in per_node.items():

@@ -54,7 +54,9 @@ def main(argv: list[str]) -> int:
         cfg = load_resolved(run_dir / CONFIG)
         # Before anything initialises CUDA (transformers may, on import) and before vLLM
         # starts: torch and vLLM's workers read CUDA_VISIBLE_DEVICES only once.
-        gpus = bind_gpus(cfg, rank, size, rollout_rank_count())
+        gpus = bind_gpus(
+            cfg.slurm, cfg.rollout.tensor_parallel_size, rank, size, rollout_rank_count()
+        )
         write_rank_info(run_dir, rank, size, role, "starting", gpus)
         import transformers
 

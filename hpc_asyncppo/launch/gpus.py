@@ -16,7 +16,9 @@ The rank sets ``CUDA_VISIBLE_DEVICES`` to its set itself, before anything initia
 
 An existing ``CUDA_VISIBLE_DEVICES`` is respected: the sets index into it. Pure functions
 here (no torch), so they are unit-tested without a GPU; ``bind_gpus`` is the one that
-reads and writes the environment.
+reads and writes the environment. They take the ``slurm:`` section and the rollout's
+tensor parallel size, not the whole config: the config's validation calls
+``slurm_layout_problem``, so this module must not import the config.
 """
 
 from __future__ import annotations
@@ -25,10 +27,8 @@ import glob
 import os
 import re
 from collections.abc import Mapping, MutableMapping, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from hpc_asyncppo.config import Config
+from hpc_asyncppo.launch.slurm.options import SlurmConfig
 
 ROLLOUT, TRAINER = "rollout", "trainer"  # as topology.ROLLOUT/TRAINER (that module imports torch)
 
@@ -62,6 +62,36 @@ def layout_problem(role: str, tasks_per_node: int, gpus_per_node: int, tp: int) 
         f"slurm.{key}: {tasks_per_node} {role} rank(s) per node x {each} = {used} GPU(s), but "
         f"slurm.{key}.gpus_per_node={gpus_per_node}: {fix}"
     )
+
+
+def slurm_layout_problem(slurm: SlurmConfig, tensor_parallel_size: int) -> str | None:
+    """Why the Slurm components cannot give each rank its own GPUs (a rollout rank
+    ``tensor_parallel_size``, a trainer rank one, every requested GPU in one rank's set);
+    None if they can. The config's validation raises it as a ConfigError."""
+    rollout, train = slurm.rollout, slurm.train
+    if min(rollout.gpus_per_node, train.gpus_per_node, rollout.ntasks_per_node,
+           train.ntasks_per_node) < 0:  # fmt: skip
+        return None  # launch/slurm/checks.py refuses negative counts, naming the key
+    if rollout.gpus_per_node:
+        gpus_per_rank = rollout.gpus_per_node // rollout.tasks_per_node
+        if tensor_parallel_size > gpus_per_rank:
+            return (
+                f"rollout.tensor_parallel_size={tensor_parallel_size} but each rollout "
+                f"rank has {gpus_per_rank} GPU(s) (slurm.rollout.gpus_per_node="
+                f"{rollout.gpus_per_node} over {rollout.tasks_per_node} ranks per node); lower it "
+                "or set slurm.rollout.ntasks_per_node to gpus_per_node / tensor_parallel_size"
+            )
+    for role, c in ((ROLLOUT, rollout), (TRAINER, train)):
+        problem = layout_problem(role, c.tasks_per_node, c.gpus_per_node, tensor_parallel_size)
+        if problem:
+            return problem
+    if bool(rollout.gpus_per_node) != bool(train.gpus_per_node):
+        # One side on CPUs would put NCCL and gloo ranks in one weight-broadcast group.
+        return (
+            f"GPUs on one component only (slurm.rollout.gpus_per_node={rollout.gpus_per_node}, "
+            f"slurm.train.gpus_per_node={train.gpus_per_node}): request GPUs for both, or neither"
+        )
+    return None
 
 
 def gpu_set(
@@ -144,7 +174,8 @@ def node_gpu_count(env: Mapping[str, str]) -> int:
 
 
 def rank_gpus(
-    cfg: Config,
+    slurm: SlurmConfig,
+    tensor_parallel_size: int,
     world_rank: int,
     world_size: int,
     rollout_ranks: int,
@@ -153,12 +184,12 @@ def rank_gpus(
 ) -> list[str]:
     """The ``CUDA_VISIBLE_DEVICES`` entries this rank must see; [] for a CPU rank."""
     role = ROLLOUT if world_rank < rollout_ranks else TRAINER
-    tp = cfg.rollout.tensor_parallel_size
+    tp = tensor_parallel_size
     visible = parse_visible(env.get("CUDA_VISIBLE_DEVICES"))
     if visible is None:
         visible = [str(i) for i in range(gpus_here)]
     if "SLURM_LOCALID" in env and "HPC_ASYNCPPO_ROLLOUT_RANKS" not in env:
-        component = cfg.slurm.rollout if role == ROLLOUT else cfg.slurm.train
+        component = slurm.rollout if role == ROLLOUT else slurm.train
         if not component.gpus_per_node:
             return []
         at = gpu_set(
@@ -175,7 +206,8 @@ def rank_gpus(
 
 
 def bind_gpus(
-    cfg: Config,
+    slurm: SlurmConfig,
+    tensor_parallel_size: int,
     world_rank: int,
     world_size: int,
     rollout_ranks: int,
@@ -183,7 +215,10 @@ def bind_gpus(
 ) -> list[int | str]:
     """Restrict this rank to its GPUs (``CUDA_VISIBLE_DEVICES``) before CUDA is initialised;
     returns them as the rank record lists them (numbers where they are numbers)."""
-    entries = rank_gpus(cfg, world_rank, world_size, rollout_ranks, env, node_gpu_count(env))
+    gpus_here = node_gpu_count(env)
+    entries = rank_gpus(
+        slurm, tensor_parallel_size, world_rank, world_size, rollout_ranks, env, gpus_here
+    )
     if entries:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(entries)
         env["HPC_ASYNCPPO_GPUS"] = env["CUDA_VISIBLE_DEVICES"]  # topology: use cuda:0

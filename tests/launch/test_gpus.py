@@ -149,27 +149,31 @@ def _7b():
 
 def test_rank_under_srun_slices_the_nodes_gpus() -> None:
     cfg = _7b()  # 2 x 4 rollout ranks at TP 2, then 2 x 8 trainer ranks
+    slurm, tp = cfg.slurm, cfg.rollout.tensor_parallel_size
     env = {"SLURM_LOCALID": "3", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
-    assert rank_gpus(cfg, 7, 24, 8, env, 8) == ["6", "7"]
-    assert rank_gpus(cfg, 8 + 11, 24, 8, env, 8) == ["3"]
+    assert rank_gpus(slurm, tp, 7, 24, 8, env, 8) == ["6", "7"]
+    assert rank_gpus(slurm, tp, 8 + 11, 24, 8, env, 8) == ["3"]
     # Slurm bound the task itself (--gpus-per-task=2): kept as it is
     env = {"SLURM_LOCALID": "3", "CUDA_VISIBLE_DEVICES": "6,7"}
-    assert rank_gpus(cfg, 7, 24, 8, env, 2) == ["6", "7"]
+    assert rank_gpus(slurm, tp, 7, 24, 8, env, 2) == ["6", "7"]
 
 
 def test_rank_under_mpirun_indexes_into_cuda_visible_devices() -> None:
     cfg = load_config()
+    slurm, tp = cfg.slurm, cfg.rollout.tensor_parallel_size
     env = {"HPC_ASYNCPPO_ROLLOUT_RANKS": "1", "CUDA_VISIBLE_DEVICES": "3,5"}
-    assert [rank_gpus(cfg, r, 2, 1, env, 2) for r in (0, 1)] == [["3"], ["5"]]
+    assert [rank_gpus(slurm, tp, r, 2, 1, env, 2) for r in (0, 1)] == [["3"], ["5"]]
     # mpirun inside a Slurm allocation: SLURM_LOCALID is inherited, our launcher's wins
     env |= {"SLURM_LOCALID": "0", "CUDA_VISIBLE_DEVICES": "GPU-aa"}
-    assert [rank_gpus(cfg, r, 2, 1, env, 1) for r in (0, 1)] == [["GPU-aa"], ["GPU-aa"]]
+    assert [rank_gpus(slurm, tp, r, 2, 1, env, 1) for r in (0, 1)] == [["GPU-aa"], ["GPU-aa"]]
 
 
 def test_bind_gpus_sets_the_environment_of_a_gpu_rank_only() -> None:
     cfg = _7b()
     env = {"SLURM_LOCALID": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
-    assert bind_gpus(cfg, 1, 24, 8, env) == [2, 3]
+    assert bind_gpus(cfg.slurm, cfg.rollout.tensor_parallel_size, 1, 24, 8, env) == [2, 3]
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["HPC_ASYNCPPO_GPUS"] == "2,3"
     cpu = {"HPC_ASYNCPPO_ROLLOUT_RANKS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    assert bind_gpus(load_config(), 0, 2, 1, cpu) == [] and "HPC_ASYNCPPO_GPUS" not in cpu
+    default = load_config()
+    tp = default.rollout.tensor_parallel_size
+    assert bind_gpus(default.slurm, tp, 0, 2, 1, cpu) == [] and "HPC_ASYNCPPO_GPUS" not in cpu
