@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = "hpc_asyncppo.checkpoint"
-FORMAT_VERSION = 2
+MANIFEST_FORMAT_VERSION = 2
 LEADER_PART = "leader.h5"
 _STEP_DIR = re.compile(r"step_(\d{8,})")
 _LEGACY = re.compile(r"ckpt_(\d{8,})\.h5")
@@ -148,7 +148,7 @@ def commit(folder: Path, parts: list[PartInfo], meta: dict) -> None:
         raise CheckpointError(f"checkpoint {folder}: two parts named alike in {names}")
     manifest = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": MANIFEST_FORMAT_VERSION,
         **meta,
         "parts": {p.name: {"bytes": p.bytes, "checksum": p.checksum} for p in parts},
     }
@@ -213,9 +213,12 @@ def read_manifest(folder: Path) -> dict:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {folder}: unreadable {MANIFEST}: {exc}") from None
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+    if (
+        manifest.get("format") != FORMAT
+        or manifest.get("format_version") != MANIFEST_FORMAT_VERSION
+    ):
         raise CheckpointError(
-            f"checkpoint {folder}: {MANIFEST} is not of {FORMAT} v{FORMAT_VERSION}"
+            f"checkpoint {folder}: {MANIFEST} is not of {FORMAT} v{MANIFEST_FORMAT_VERSION}"
         )
     return manifest
 

@@ -53,7 +53,8 @@ from hpc_asyncppo.paths import CHECKPOINTS
 log = logging.getLogger(__name__)
 
 FORMAT = "hpc_asyncppo.checkpoint"
-FORMAT_VERSION = 1
+# A part file's format (its attrs); the manifest's is protocol.MANIFEST_FORMAT_VERSION.
+PART_FORMAT_VERSION = 1
 CHECKPOINT_DIR = CHECKPOINTS  # RUN_DIR/checkpoints, under the name protocol.py imports
 # Lowest format 1.10: checksummed metadata. Highest 1.10: any HDF5 >= 1.10 can read the file.
 _LIBVER = ("v110", "v110")
@@ -219,7 +220,7 @@ class _Writer:
     def write(self, tree: dict, meta_bytes: np.ndarray) -> None:
         if not isinstance(tree, dict):
             raise TypeError(f"the checkpoint tree must be a dict, got {type(tree).__name__}")
-        _set_attrs(self.f, {"format": FORMAT, "format_version": FORMAT_VERSION})
+        _set_attrs(self.f, {"format": FORMAT, "format_version": PART_FORMAT_VERSION})
         self.dataset(self.f, "meta", meta_bytes, {"kind": "json"})
         self.node(self.f, "tree", tree, "tree")
         manifest = _json_array(self.manifest, "manifest")
@@ -404,9 +405,9 @@ class _Reader:
         fmt, version = _attr(f, "format"), _attr(f, "format_version")
         if fmt != FORMAT:
             raise CheckpointError(f"checkpoint {self.path}: not an {FORMAT} file (format={fmt!r})")
-        if version != FORMAT_VERSION:
+        if version != PART_FORMAT_VERSION:
             raise CheckpointError(
-                f"checkpoint {self.path}: format version {version}, this code reads {FORMAT_VERSION}"
+                f"checkpoint {self.path}: format version {version}, this code reads {PART_FORMAT_VERSION}"
             )
         self.format_version = int(version)
         manifest = json.loads(self.array(self.get(f, "manifest")).tobytes())
@@ -613,10 +614,10 @@ class CheckpointReader:
         self._pool = ThreadPoolExecutor(_CRC_THREADS, thread_name_prefix="crc32")
         reader = self._reader()
         fmt, version = _attr(self._file, "format"), _attr(self._file, "format_version")
-        if fmt != FORMAT or version != FORMAT_VERSION:
+        if fmt != FORMAT or version != PART_FORMAT_VERSION:
             self.__exit__()
             raise CheckpointError(
-                f"checkpoint {self.path}: not an {FORMAT} file of version {FORMAT_VERSION}"
+                f"checkpoint {self.path}: not an {FORMAT} file of version {PART_FORMAT_VERSION}"
             )
         self.meta = json.loads(reader.array(reader.get(self._file, "meta")).tobytes())
         return self
