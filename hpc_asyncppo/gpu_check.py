@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_asyncppo.paths import LOGS, METRICS, RANKS, WEIGHTS
+from hpc_asyncppo.tasks.next_digit import LEARNED_REWARD, UNTRAINED_REWARD_MAX
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -194,7 +195,7 @@ def run_default_job(device: torch.device, work: Path, steps: int = 300) -> Path:
 
 
 def check_default_job_learns(
-    device: torch.device, work: Path, steps: int = 300, min_reward: float | None = 0.8
+    device: torch.device, work: Path, steps: int = 300, min_reward: float | None = LEARNED_REWARD
 ) -> str:
     """The default job ends, on the device, and (over its full length) learns."""
     from hpc_asyncppo.runlog import read_jsonl
@@ -203,7 +204,9 @@ def check_default_job_learns(
     rewards = [m["reward/mean"] for m in read_jsonl(run_dir / METRICS)]
     first, last = float(np.mean(rewards[:10])), float(np.mean(rewards[-20:]))
     if min_reward is not None:
-        assert first < 0.2 and last >= min_reward, f"reward {first:.2f} -> {last:.2f}"
+        assert first < UNTRAINED_REWARD_MAX and last >= min_reward, (
+            f"reward {first:.2f} -> {last:.2f}"
+        )
     logs = (run_dir / LOGS / "rank1.log").read_text()
     on = "cuda:0" if device.type == "cuda" else "cpu"
     assert f"trainer rank on {on}" in logs, f"trainer rank not on {on}"

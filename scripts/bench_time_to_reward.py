@@ -27,6 +27,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hpc_asyncppo.tasks.next_digit import LEARNED_REWARD  # noqa: E402
 
 
 def run(overrides: list[str], steps: int, seed: int, run_dir: Path) -> dict:
@@ -74,7 +77,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--window", type=int, default=10)
-    parser.add_argument("--target", type=float, default=0.8)
+    parser.add_argument("--target", type=float, default=LEARNED_REWARD)
     parser.add_argument(
         "--mode",
         action="append",

@@ -15,7 +15,12 @@ import pytest
 
 from hpc_asyncppo.config import DataConfig
 from hpc_asyncppo.runlog import read_jsonl, split_metrics
-from hpc_asyncppo.tasks.next_digit import generate_prompts, write_prompts
+from hpc_asyncppo.tasks.next_digit import (
+    LEARNED_REWARD_FLOOR,
+    UNTRAINED_REWARD_MAX,
+    generate_prompts,
+    write_prompts,
+)
 from tests.integration.test_local_runs import check_audit, submit
 
 pytestmark = pytest.mark.mpi
@@ -64,10 +69,9 @@ def test_the_default_job_learns(validated_run):
     rewards = [m["reward/mean"] for m in split_metrics(read_jsonl(run_dir / "metrics.jsonl"))[0]]
     assert len(rewards) == STEPS
     first, last = sum(rewards[:10]) / 10, sum(rewards[-20:]) / 20
-    assert first < 0.2, f"a random policy scores about 1/15, got {first}"
-    # Most runs end at 0.9-1.0; some settle near 0.78 for the last 100 steps: the timing of an async run changes which versions sample which groups. 0.7 is ten
-    # times a random policy's score and fails any run that does not learn.
-    assert last >= 0.7, f"mean reward of the last 20 steps {last}"
+    assert first < UNTRAINED_REWARD_MAX, f"a random policy scores about 1/15, got {first}"
+    # Not LEARNED_REWARD: some runs settle near 0.78 (see LEARNED_REWARD_FLOOR).
+    assert last >= LEARNED_REWARD_FLOOR, f"mean reward of the last 20 steps {last}"
     check_audit(run_dir, sync_every=SYNC_EVERY, max_staleness=4)
 
 
@@ -84,8 +88,10 @@ def test_validation_at_every_test_freq_steps_shows_the_learning(validated_run):
             assert 0.0 <= row[key] <= 1.0, (key, row)
         assert not any(k.startswith(("reward/", "samples/")) for k in row)
     first, last = vals[0]["val/reward/mean"], vals[-1]["val/reward/mean"]
-    assert first < 0.2, f"the untrained policy scored {first:.3f} (random: about 1/15)"
-    assert last >= 0.7, f"greedy validation reward {first:.3f} -> {last:.3f}"  # see above
+    assert first < UNTRAINED_REWARD_MAX, (
+        f"the untrained policy scored {first:.3f} (random: about 1/15)"
+    )
+    assert last >= LEARNED_REWARD_FLOOR, f"greedy validation reward {first:.3f} -> {last:.3f}"
     assert vals[-1]["val/pass@1"] > vals[0]["val/pass@1"]
 
 
