@@ -69,9 +69,8 @@ from pathlib import Path
 import pytest
 
 from hpc_asyncppo.runlog import read_jsonl
-from tests.conftest import QWEN2_5_7B_CONFIG
+from tests.conftest import QWEN2_5_7B_CONFIG, REPO
 
-REPO = Path(__file__).resolve().parents[1]
 REWARD = "data.reward_fn=hpc_asyncppo.tasks.gsm8k:gsm8k_reward"
 VLLM_TINY = ["rollout.engine=vllm", "model.tiny.num_heads=2"]
 # a few seconds of real training: 2 prompts x 8 responses a step

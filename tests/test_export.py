@@ -33,9 +33,8 @@ from hpc_asyncppo.paths import HF_FINAL
 from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.policy import Policy
 from hpc_asyncppo.trainer.trainer import write_trainer_part
-from tests.conftest import vllm_environment
+from tests.conftest import REPO, vllm_environment
 
-REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 STEPS = 6
 

@@ -19,8 +19,8 @@ import torch
 from hpc_asyncppo.checkpoint.protocol import step_dir
 from hpc_asyncppo.checkpoint.store import load_checkpoint
 from hpc_asyncppo.runlog import read_jsonl
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 # 2 prompts x 8 responses a step, a sync every 2 steps, checkpoints after steps 2 and 4
 RUN = ["trainer.total_steps=4", "actor.ppo_mini_batch_size=2", "checkpoint.save_every=2",
        "async_training.trigger_parameter_sync_step=2"]  # fmt: skip

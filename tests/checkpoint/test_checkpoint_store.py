@@ -9,7 +9,6 @@ import pickle
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import h5py
 import numpy as np
@@ -26,8 +25,7 @@ from hpc_asyncppo.checkpoint.store import (
     set_rng_state,
     verify_checkpoint,
 )
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
 
 
 def assert_same(a, b, where="tree"):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.checkpoint.store import CheckpointError
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.trainer.batch import shard_rows, to_tensors
-from tests.conftest import end_spawned_rank
+from tests.conftest import end_spawned_rank, free_port
 
 # --- committing, listing, pruning ----------------------------------------------------------
 
@@ -161,12 +160,6 @@ def _worker(rank: int, world: int, port: int, model_dir: str, folder: str, out: 
     if rank == 0:
         np.savez(Path(out) / f"state-{world}.npz", **state)
     end_spawned_rank()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_ranks_state_reads_back_bit_for_bit_on_one_and_three(tiny_model_dir, tmp_path):

@@ -23,13 +23,12 @@ from hpc_asyncppo.runlog import read_jsonl
 from hpc_asyncppo.tasks.next_digit import LEARNED_REWARD, UNTRAINED_REWARD_MAX
 from hpc_asyncppo.trainer.policy import Policy
 from hpc_asyncppo.transport.weights import pack, plan_buckets, unpack
-from tests.conftest import end_spawned_rank
+from tests.conftest import REPO, end_spawned_rank
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-REPO = Path(__file__).resolve().parents[2]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 

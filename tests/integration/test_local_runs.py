@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from hpc_asyncppo.runlog import read_jsonl, split_metrics
+from tests.conftest import REPO, submit_local
 
 pytestmark = pytest.mark.mpi
-REPO = Path(__file__).resolve().parents[2]
 
 # 4 prompts x 8 responses = 32 samples per step, a sync every 2 steps
 SMALL = [
@@ -30,17 +30,7 @@ SMALL = [
 
 
 def submit(run_dir: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "hpc_asyncppo.submit",
-        "--cluster",
-        "local",
-        "--run-dir",
-        str(run_dir),
-        *args,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout)
+    return submit_local("--run-dir", str(run_dir), *args, timeout=timeout)
 
 
 def sent_versions(run_dir: Path, partial: bool = False, resent: bool = False) -> dict[str, int]:

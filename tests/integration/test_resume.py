@@ -13,28 +13,16 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from hpc_asyncppo.checkpoint.protocol import list_checkpoints, read_full, read_manifest, step_dir
+from hpc_asyncppo.checkpoint.protocol import list_checkpoints, read_manifest, step_dir
 from hpc_asyncppo.config import DataConfig, TinyModelConfig
 from hpc_asyncppo.models.tiny import build_tiny_model
 from hpc_asyncppo.runlog import read_jsonl
 from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.prompts import PromptOrder
+from tests.conftest import REPO, SMALL, submit_local
 
 pytestmark = pytest.mark.mpi
-REPO = Path(__file__).resolve().parents[2]
-SMALL = ["actor.ppo_mini_batch_size=4", "data.num_prompts=64", "timeouts.sample_wait_s=120"]
-
-
-def submit(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout)
-
-
-def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    assert read_manifest(step_dir(run_dir, step))["step"] == step
-    return read_full(step_dir(run_dir, step), "model")
 
 
 def order_prefix(seed: int, num_prompts: int, count: int) -> set[tuple[int, int]]:
@@ -82,7 +70,7 @@ def test_fully_async_run_interrupted_twice_trains_every_sample_exactly_once(tmp_
     )
     assert (run_dir / "preempted").exists()
     assert interrupt_after(run_dir, ["--resume", str(run_dir)], 24) == 143
-    done = submit("--resume", str(run_dir))
+    done = submit_local("--resume", str(run_dir))
     assert done.returncode == 0, done.stderr
     assert not (run_dir / "preempted").exists()
 
@@ -124,7 +112,7 @@ def test_a_run_resumes_on_other_rank_counts_with_the_same_data_order(tmp_path):
     resumed = ["--resume", str(run_dir), "--rollout-ranks", "1", "--train-ranks", "1"]
     assert interrupt_after(run_dir, resumed, 12) == 143
     assert json.loads((run_dir / "launch.json").read_text())["rollout_ranks"] == 1
-    done = submit("--resume", str(run_dir), "--rollout-ranks", "3")
+    done = submit_local("--resume", str(run_dir), "--rollout-ranks", "3")
     assert done.returncode == 0, done.stderr
 
     metrics = read_jsonl(run_dir / "metrics.jsonl")
@@ -146,7 +134,7 @@ def test_a_run_resumes_on_other_rank_counts_with_the_same_data_order(tmp_path):
 def test_a_corrupt_or_missing_part_is_named_and_its_checkpoint_skipped(tmp_path):
     run_dir = tmp_path / "run"
     args = ["--train-ranks", "2", *SMALL, "trainer.total_steps=6", "checkpoint.save_every=2"]
-    assert submit("--run-dir", str(run_dir), *args).returncode == 0
+    assert submit_local("--run-dir", str(run_dir), *args).returncode == 0
     newest, older = list_checkpoints(run_dir)[:2]
     assert newest.name == "step_00000006" and older.name == "step_00000004"
     # a flipped byte in trainer rank 1's part: its size is right, so only the rank that
@@ -155,7 +143,7 @@ def test_a_corrupt_or_missing_part_is_named_and_its_checkpoint_skipped(tmp_path)
     raw = bytearray(part.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     part.write_bytes(bytes(raw))
-    resumed = submit("--resume", str(run_dir), "trainer.total_steps=8")
+    resumed = submit_local("--resume", str(run_dir), "trainer.total_steps=8")
     assert resumed.returncode == 0, resumed.stderr
     warnings = [line for line in resumed.stderr.splitlines() if "trainer1.h5" in line]
     assert len(warnings) == 1 and "step_00000006" in warnings[0], resumed.stderr
@@ -163,7 +151,7 @@ def test_a_corrupt_or_missing_part_is_named_and_its_checkpoint_skipped(tmp_path)
     # a part gone from every checkpoint: refused before any rank starts, one line each
     for folder in list_checkpoints(run_dir):
         (folder / "rollout0.h5").unlink()
-    failed = submit("--resume", str(run_dir), "trainer.total_steps=10")
+    failed = submit_local("--resume", str(run_dir), "trainer.total_steps=10")
     assert failed.returncode == 2
     assert "no valid checkpoint" in failed.stderr
     assert failed.stderr.count("part rollout0.h5 is missing") == len(list_checkpoints(run_dir))
@@ -179,7 +167,7 @@ def test_a_rank_killed_while_parts_are_written_leaves_the_previous_checkpoint(tm
     assert killed.returncode != 0 and "killed by signal 9" in killed.stderr, killed.stderr
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000002"]
     assert (run_dir / "checkpoints" / "step_00000004" / "trainer1.h5").exists()  # no manifest
-    resumed = submit("--resume", str(run_dir))
+    resumed = submit_local("--resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout and "step_00000002" in resumed.stdout
     trained = [r["uid"] for r in read_jsonl(run_dir / "trained_samples.jsonl")]
@@ -201,11 +189,11 @@ def test_a_rank_killed_while_parts_are_written_leaves_the_previous_checkpoint(tm
 
 def test_checkpoint_of_another_model_shape_is_refused(tmp_path):
     run_dir = tmp_path / "run"
-    assert submit("--run-dir", str(run_dir), *SMALL, "trainer.total_steps=2").returncode == 0
+    assert submit_local("--run-dir", str(run_dir), *SMALL, "trainer.total_steps=2").returncode == 0
     other = build_tiny_model(
         tmp_path / "wide", load_task(DataConfig()).vocabulary(), TinyModelConfig(hidden_size=32), 1
     )
-    resumed = submit("--resume", str(run_dir), f"model.path={other}", "trainer.total_steps=4")
+    resumed = submit_local("--resume", str(run_dir), f"model.path={other}", "trainer.total_steps=4")
     assert resumed.returncode != 0
     assert "has shape" in resumed.stderr and "the model has" in resumed.stderr
 
@@ -215,7 +203,7 @@ def test_slow_trainer_spills_to_the_overflow_file_and_loses_nothing(tmp_path):
     args = ["--rollout-ranks", "2", *SMALL, "trainer.total_steps=12", "actor.ppo_epochs=8",
             "async_training.staleness_threshold=3", "async_training.max_staleness=2",
             "buffer.memory_limit_mb=0.005", "checkpoint.save_every=5"]  # fmt: skip
-    proc = submit("--run-dir", str(run_dir), *args)
+    proc = submit_local("--run-dir", str(run_dir), *args)
     assert proc.returncode == 0, proc.stderr
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert max(m["queue/spilled_groups"] for m in metrics) > 0, "nothing spilled"
@@ -237,8 +225,8 @@ def test_after_a_resume_every_version_names_one_weight_set(tmp_path):
     run_dir = tmp_path / "run"
     args = [*SMALL, "trainer.total_steps=3", "async_training.trigger_parameter_sync_step=2",
             "checkpoint.save_every=0", "trainer.record_weight_digests=true"]  # fmt: skip
-    assert submit("--run-dir", str(run_dir), *args).returncode == 0
-    resumed = submit("--resume", str(run_dir), "trainer.total_steps=6")
+    assert submit_local("--run-dir", str(run_dir), *args).returncode == 0
+    resumed = submit_local("--resume", str(run_dir), "trainer.total_steps=6")
     assert resumed.returncode == 0, resumed.stderr
     leader = read_jsonl(run_dir / "weights" / "rank1.jsonl")
     digests: dict[int, set[str]] = collections.defaultdict(set)
@@ -260,7 +248,7 @@ def test_a_checkpoint_failing_on_a_stop_still_requeues_from_the_previous_one(tmp
     ends as preempted, with the reason in one line, and resumes from the checkpoint before
     it, losing nothing."""
     run_dir = tmp_path / "run"
-    first = submit("--run-dir", str(run_dir), *SMALL, "trainer.total_steps=3")
+    first = submit_local("--run-dir", str(run_dir), *SMALL, "trainer.total_steps=3")
     assert first.returncode == 0, first.stderr  # its final checkpoint: step 3
     env = {**os.environ, "HPC_ASYNCPPO_TEST_FAIL_PART_FROM": "4:rollout0.h5"}
     cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local",
@@ -281,7 +269,7 @@ def test_a_checkpoint_failing_on_a_stop_still_requeues_from_the_previous_one(tmp
     assert len(failed) == 1 and "rollout rank 0" in failed[0] and "No space left" in failed[0], err
     assert (run_dir / "preempted").exists()  # so the batch script requeues
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000003"]
-    done = submit("--resume", str(run_dir), "trainer.total_steps=8")
+    done = submit_local("--resume", str(run_dir), "trainer.total_steps=8")
     assert done.returncode == 0, done.stderr
     assert "step_00000003" in done.stdout
     trained = [r["uid"] for r in read_jsonl(run_dir / "trained_samples.jsonl")]

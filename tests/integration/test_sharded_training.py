@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,23 +15,16 @@ from safetensors.torch import load_file
 
 from hpc_asyncppo.checkpoint.protocol import read_full, read_manifest, step_dir
 from hpc_asyncppo.runlog import read_jsonl
+from tests.conftest import SMALL, final_weights, submit_local
 
 pytestmark = pytest.mark.mpi
-REPO = Path(__file__).resolve().parents[2]
-SMALL = ["actor.ppo_mini_batch_size=4", "data.num_prompts=64", "timeouts.sample_wait_s=120"]
 
 
 def submit(run_dir: Path | None, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     where = ["--run-dir", str(run_dir)] if run_dir is not None else []
-    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", *where, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout)
+    proc = submit_local(*where, *args, timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
-
-
-def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    assert read_manifest(step_dir(run_dir, step))["step"] == step
-    return read_full(step_dir(run_dir, step), "model")
 
 
 def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -21,10 +21,10 @@ from hpc_asyncppo.tasks.next_digit import (
     generate_prompts,
     write_prompts,
 )
+from tests.conftest import REPO
 from tests.integration.test_local_runs import check_audit, submit
 
 pytestmark = pytest.mark.mpi
-REPO = Path(__file__).resolve().parents[2]
 VAL_PROMPTS = 128
 STEPS = 300  # the default job's
 SYNC_EVERY = 4

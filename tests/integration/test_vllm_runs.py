@@ -20,12 +20,11 @@ from hpc_asyncppo.checkpoint.protocol import list_checkpoints
 from hpc_asyncppo.checkpoint.store import CheckpointReader
 from hpc_asyncppo.launch.rundir import read_rank_info
 from hpc_asyncppo.runlog import read_jsonl
-from tests.conftest import vllm_environment
+from tests.conftest import REPO, vllm_environment
 from tests.integration.test_local_runs import check_audit, check_weights_match, submit
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh --with-vllm)")
 pytestmark = pytest.mark.mpi
-REPO = Path(__file__).resolve().parents[2]
 
 VLLM = [
     "rollout.engine=vllm",

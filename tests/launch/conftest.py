@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
+
 LOCAL_SLURM = REPO / "scripts" / "local_slurm.sh"
 
 

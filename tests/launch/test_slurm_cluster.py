@@ -21,10 +21,10 @@ from hpc_asyncppo.launch.slurm.cluster import ACTIVE_STATES, job_state
 from hpc_asyncppo.launch.slurm.executor import HetJobExecutor
 from hpc_asyncppo.launch.slurm.placement import slurm_placement
 from hpc_asyncppo.launch.slurm.script import TEMPLATE_PATH, sbatch_lines
+from tests.conftest import REPO
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("local_slurm")]
 
-REPO = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("hetjob_probe.py")
 LONG_RUN = "trainer.total_steps=100000"
 

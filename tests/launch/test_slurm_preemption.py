@@ -21,9 +21,9 @@ import pytest
 from hpc_asyncppo.launch.slurm.cluster import ACTIVE_STATES, job_state
 from hpc_asyncppo.runlog import read_jsonl
 from hpc_asyncppo.trainer.prompts import PromptOrder
+from tests.conftest import REPO
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("local_slurm")]
-REPO = Path(__file__).resolve().parents[2]
 STEPS, PROMPTS = 40, 64
 
 

@@ -16,8 +16,8 @@ import pytest
 
 from hpc_asyncppo.config import load_config
 from hpc_asyncppo.launch.slurm.script import batch_script
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 PARTITIONS = (
     "PartitionName=rollout Default=YES MaxNodes=UNLIMITED Nodes=n1 State=UP TotalNodes=1\n"
     "PartitionName=train Default=NO MaxNodes=UNLIMITED Nodes=n2 State=UP TotalNodes=1\n"

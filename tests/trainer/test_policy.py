@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +28,7 @@ from hpc_asyncppo.trainer.policy import (
     ppo_update,
     reference_quantities,
 )
-from tests.conftest import end_spawned_rank
+from tests.conftest import end_spawned_rank, free_port
 
 CPU = torch.device("cpu")
 
@@ -135,12 +134,6 @@ def _gradient_worker(rank: int, world: int, port: int, model_dir: str, out: str)
                     grads["rs_counts"] = kept.numpy()
                 np.savez(Path(out) / f"{split}-{mode}-{algo}.npz", **grads)
     end_spawned_rank()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

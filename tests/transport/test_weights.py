@@ -1,6 +1,5 @@
 import dataclasses
 import os
-import socket
 import weakref
 from datetime import timedelta
 
@@ -22,7 +21,7 @@ from hpc_asyncppo.transport.weights import (
     specs_of,
     unpack,
 )
-from tests.conftest import end_spawned_rank
+from tests.conftest import end_spawned_rank, free_port
 
 
 def named_tensors() -> list[tuple[str, torch.Tensor]]:
@@ -92,12 +91,6 @@ def test_header_with_unknown_dtype_is_refused():
         decode_header(raw)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def join_gloo(rank: int, world: int, port: int) -> None:
     """This spawned process joins a gloo world of ``world`` ranks on the loopback."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -136,7 +129,7 @@ def test_real_gloo_broadcast_reaches_every_receiver():
     world = 3
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.spawn(_broadcast_worker, args=(world, _free_port(), 1, queue), nprocs=world, join=True)
+    mp.spawn(_broadcast_worker, args=(world, free_port(), 1, queue), nprocs=world, join=True)
     results = sorted(queue.get() for _ in range(2 * (world - 1)))
     assert results == [(1, 5, True), (1, 6, True), (2, 5, True), (2, 6, True)]
 
@@ -227,7 +220,7 @@ def test_streamed_sync_round_trips_bit_exactly_with_at_most_two_buckets_alive():
     world = 3
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.spawn(_streaming_worker, args=(world, _free_port(), queue), nprocs=world, join=True)
+    mp.spawn(_streaming_worker, args=(world, free_port(), queue), nprocs=world, join=True)
     syncs = SYNC_ORDERS * len(SYNC_BUCKETS)
     results = [queue.get() for _ in range(world * syncs)]
     assert all(ok for _, _, ok, _ in results), [r for r in results if not r[2]]
@@ -375,7 +368,7 @@ def test_a_sync_runs_on_side_threads_while_both_loops_go_on():
     world = 3
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.spawn(_background_worker, args=(world, _free_port(), queue), nprocs=world, join=True)
+    mp.spawn(_background_worker, args=(world, free_port(), queue), nprocs=world, join=True)
     results = sorted(queue.get() for _ in range(2 * world))
     assert results == [(r, v, True, True) for r in range(world) for v in (1, 2)]
 
