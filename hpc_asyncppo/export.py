@@ -38,7 +38,6 @@ from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.checkpoint.store import CheckpointError, fsync_dir, fsync_file
 from hpc_asyncppo.config import Config, load_resolved
 from hpc_asyncppo.paths import CONFIG, MODEL
-from hpc_asyncppo.paths import HF_FINAL as HF_FINAL  # the name trainer/trainer.py imports
 from hpc_asyncppo.rollout.generation import DTYPES
 
 log = logging.getLogger(__name__)

@@ -55,7 +55,6 @@ import torch
 from mpi4py import MPI
 
 from hpc_asyncppo.checkpoint.store import (
-    CHECKPOINT_DIR,
     CheckpointError,
     CheckpointReader,
     fsync_dir,
@@ -63,6 +62,7 @@ from hpc_asyncppo.checkpoint.store import (
     save_checkpoint,
     verify_checkpoint,
 )
+from hpc_asyncppo.paths import CHECKPOINTS
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def rollout_part(rank: int) -> str:
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
     """RUN_DIR/checkpoints/step_{step:08d}"""
-    return Path(run_dir) / CHECKPOINT_DIR / f"step_{step:08d}"
+    return Path(run_dir) / CHECKPOINTS / f"step_{step:08d}"
 
 
 # --- writing ------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ def prune(run_dir: str | Path, keep: int) -> list[Path]:
         raise ValueError(f"keep must be >= 1, got {keep}")
     committed = list_checkpoints(run_dir)
     removed = committed[keep:]
-    root = Path(run_dir) / CHECKPOINT_DIR
+    root = Path(run_dir) / CHECKPOINTS
     for path in sorted(root.glob("step_*")) if root.is_dir() else []:
         if path.is_dir() and not (path / MANIFEST).exists():
             removed.append(path)
@@ -189,7 +189,7 @@ def prune(run_dir: str | Path, keep: int) -> list[Path]:
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Committed checkpoints (step folders with a manifest, and single files of the old
     format), newest first."""
-    root = Path(run_dir) / CHECKPOINT_DIR
+    root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
     found = []
@@ -333,7 +333,7 @@ def choose_checkpoint(
                 warn(f"{line}; trying an older checkpoint")
     if count[0]:
         raise CheckpointError(
-            f"no valid checkpoint in {run_dir / CHECKPOINT_DIR}: all {int(count[0])} failed "
+            f"no valid checkpoint in {run_dir / CHECKPOINTS}: all {int(count[0])} failed "
             "verification (see the warnings); move them away to start over"
         )
     return None

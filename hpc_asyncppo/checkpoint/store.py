@@ -48,14 +48,11 @@ import h5py
 import numpy as np
 import torch
 
-from hpc_asyncppo.paths import CHECKPOINTS
-
 log = logging.getLogger(__name__)
 
 FORMAT = "hpc_asyncppo.checkpoint"
 # A part file's format (its attrs); the manifest's is protocol.MANIFEST_FORMAT_VERSION.
 PART_FORMAT_VERSION = 1
-CHECKPOINT_DIR = CHECKPOINTS  # RUN_DIR/checkpoints, under the name protocol.py imports
 # Lowest format 1.10: checksummed metadata. Highest 1.10: any HDF5 >= 1.10 can read the file.
 _LIBVER = ("v110", "v110")
 _SCALARS = (type(None), bool, int, float, str)

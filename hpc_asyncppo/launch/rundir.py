@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_asyncppo.config import Config, ConfigError, to_yaml
 from hpc_asyncppo.paths import CONFIG, ERRORS, LOGS, MODEL, OVERLONG, RANKS
-from hpc_asyncppo.paths import PREEMPTED as PREEMPTED  # the name trainer/trainer.py imports
 
 if TYPE_CHECKING:
     from hpc_asyncppo.tasks import Task

@@ -36,8 +36,7 @@ from hpc_asyncppo.checkpoint.store import (
     set_rng_state,
 )
 from hpc_asyncppo.config import Config
-from hpc_asyncppo.launch.rundir import PREEMPTED
-from hpc_asyncppo.paths import OVERFLOW
+from hpc_asyncppo.paths import DROPPED, HF_FINAL, OVERFLOW, PREEMPTED, TRAINED
 from hpc_asyncppo.runtime import startup
 from hpc_asyncppo.runtime.signals import stop_requested, stop_requested_at
 from hpc_asyncppo.runtime.topology import Topology
@@ -113,8 +112,8 @@ class TrainerLeader:
         self.metrics = runlog.MetricsWriter(run_dir)
         self.validation = ValidationLog(cfg, self.receiver, self.metrics)
         self.timeline = Timeline(run_dir, topo.world_rank, "trainer")
-        self.trained_log = runlog.JsonlWriter(run_dir / runlog.TRAINED)
-        self.dropped_log = runlog.JsonlWriter(run_dir / runlog.DROPPED)
+        self.trained_log = runlog.JsonlWriter(run_dir / TRAINED)
+        self.dropped_log = runlog.JsonlWriter(run_dir / DROPPED)
         self.pad_id = policy.model.config.pad_token_id or 0
 
     @property
@@ -430,7 +429,7 @@ class TrainerLeader:
     def export_final(self) -> None:
         """checkpoint.save_hf_final: the final checkpoint as a Hugging Face folder, in place
         of an earlier attempt's; after shutdown, so that no other rank waits for it."""
-        from hpc_asyncppo.export import HF_FINAL, export_checkpoint
+        from hpc_asyncppo.export import export_checkpoint
 
         start = time.time()
         out = self.run_dir / HF_FINAL
