@@ -84,11 +84,18 @@ def one_line(folder: Path, manifest: dict, parts: list[CheckpointSummary]) -> st
 
 
 def folder_report(folder: Path, manifest: dict, parts: list[CheckpointSummary]) -> str:
-    counters = {k: v for k, v in manifest.items() if k not in (*_HEADLINE, "parts", "format")}
+    """The manifest's counters, every state object the checkpoint collected with the files
+    that hold it (checkpoints written before ``states`` existed: none listed), and each
+    part's contents."""
+    hidden = (*_HEADLINE, "parts", "format", "states")
+    counters = {k: v for k, v in manifest.items() if k not in hidden}
     rows = [
         ("step", manifest.get("step", "-")),
         ("param version", manifest.get("param_version", "-")),
         ("counters", ", ".join(f"{k}={v}" for k, v in counters.items()) or "-"),
+    ]
+    rows += [
+        (f"state {name}", ", ".join(where)) for name, where in manifest.get("states", {}).items()
     ]
     for part in parts:
         rows.append(

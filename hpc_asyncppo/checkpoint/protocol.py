@@ -6,10 +6,15 @@ A checkpoint of step N is the folder ``RUN_DIR/checkpoints/step_<N>/``::
     trainer<k>.h5   trainer rank k's shards: its rows of every parameter and optimizer
                     state tensor (``layout``, JSON: each tensor's first row and whole
                     shape), the optimizer's hyperparameters, the LR schedule, its RNGs
-    rollout<r>.h5   rollout rank r's RNGs
-    leader.h5       the trainer's sample queue (every group received and not yet trained)
-                    and the data order (``trainer/prompts.py``)
-    manifest.json   step, counters, rank counts, and every part with its size and checksum
+    rollout<r>.h5   rollout rank r's RNGs and the groups it was generating, cut: their
+                    tokens, log-probs and per-token versions so far (continued on resume
+                    by rollout rank ``continuing_rank(r, R)``)
+    leader.h5       the trainer leader's intake (``trainer/intake.py``): its sample queue
+                    (every group received and not yet trained), the data order
+                    (``trainer/prompts.py``) and how many cut groups each rollout rank kept
+    manifest.json   the counters (``trainer/progress.py``), rank counts, which state object
+                    each file holds (``states_held``), and every part with its size and
+                    checksum
 
 Each part is an HDF5 file of ``checkpoint.store`` (written under a temporary name, fsynced,
 renamed; a CRC-32 per dataset; no pickle). A part's checksum is the CRC-32 of its datasets'
@@ -21,7 +26,7 @@ without a manifest is the litter of a checkpoint that never happened and is remo
 
 Saving, in order (the roles call these at one point of their loop each):
 1. the leader tells the rollout ranks (CHECKPOINT, with the step) and the trainer followers;
-2. each rollout rank finishes its groups in flight, writes ``rollout<r>.h5`` and reports
+2. each rollout rank cuts its groups in flight, writes ``rollout<r>.h5`` and reports
    (part, size, checksum, groups sent); the leader drains every group sent before it;
 3. every trainer rank writes ``trainer<k>.h5``; the followers report their part;
 4. the leader writes ``leader.h5`` (the queue, now complete) and the manifest.
@@ -83,6 +88,23 @@ def trainer_part(rank: int) -> str:
 
 def rollout_part(rank: int) -> str:
     return f"rollout{rank}.h5"
+
+
+def states_held(train_ranks: int, rollout_ranks: int) -> dict[str, list[str]]:
+    """Which state object each file of a checkpoint holds, by name (the manifest's
+    ``states``, shown by ``inspect``): the counters (``trainer/progress.py``) in the
+    manifest, the intake (``trainer/intake.py``: queue, data order, cut groups per rank) in
+    the leader part, each trainer rank's shards of the policy and its RNGs in its part,
+    each rollout rank's RNGs and cut groups in its part."""
+    trainers = [trainer_part(k) for k in range(train_ranks)]
+    rollouts = [rollout_part(r) for r in range(rollout_ranks)]
+    return {
+        "progress": [MANIFEST],
+        "intake": [LEADER_PART],
+        "policy": trainers,
+        "rng": trainers + rollouts,
+        "cut_groups": rollouts,
+    }
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:

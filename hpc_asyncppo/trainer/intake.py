@@ -22,8 +22,8 @@ so a unit test drives it in one process. It decides, the leader records: the gro
 drops are returned for the leader's sample log.
 
 ``state_dict()`` is the leader's checkpoint part (the queue, the data order, the cut
-groups per rank) plus the count of groups trained; ``load_state_dict`` restores it onto
-any number of rollout ranks.
+groups per rank); ``load_state_dict`` restores it, with the count of groups trained from
+the manifest, onto any number of rollout ranks.
 
 Memory: the queue's in-memory part (at most ``buffer.memory_limit_mb``; the rest spills to
 RUN_DIR's overflow file) and the encoded groups of the batch being taken.
@@ -275,17 +275,16 @@ class Intake:
         return [(f"rollout rank {r}", reports[r]) for r in sorted(reports)]
 
     def state_dict(self) -> dict:
-        """The leader's checkpoint part (``protocol.LEADER_PART``), and ``groups_trained``
-        (kept in the manifest)."""
+        """The leader's checkpoint part (``protocol.LEADER_PART``); ``groups_trained`` goes
+        in the manifest with the other counters."""
         return {
             "queue": self.queue.snapshot(),
             "order": self.order.state_dict(),
             # per rollout rank: groups cut and kept in its part, continued after resume
             "partial_groups": np.asarray(self.partial_groups, dtype=np.int64),
-            "groups_trained": self.credits.trained,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, groups_trained: int) -> None:
         """Restore onto this run's rollout ranks, however many: the cut groups of old rank
         o are continued by rank ``protocol.continuing_rank(o, R)``."""
         self.queue.extend(state["queue"] or [])
@@ -295,6 +294,4 @@ class Intake:
         for old, count in enumerate(np.asarray(state["partial_groups"]).tolist()):
             kept[protocol.continuing_rank(old, ranks)] += count
         self.partial_groups = kept
-        self.credits.resume(
-            trained=int(state["groups_trained"]), queued=len(self.queue), in_flight=kept
-        )
+        self.credits.resume(trained=groups_trained, queued=len(self.queue), in_flight=kept)

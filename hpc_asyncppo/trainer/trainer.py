@@ -363,14 +363,14 @@ class TrainerLeader:
             reports.append(("trainer rank 0", own))
             reports += self.followers.collect_parts()
             parts = [protocol.part_of_report(report, who) for who, report in reports]
-            leader = self.intake.state_dict()
-            groups_trained = leader.pop("groups_trained")
-            parts.append(protocol.write_part(folder, protocol.LEADER_PART, leader))
+            leader = protocol.write_part(folder, protocol.LEADER_PART, self.intake.state_dict())
+            parts.append(leader)
             meta = {
                 **self.progress.state_dict(),
-                "groups_trained": groups_trained,
+                "groups_trained": self.intake.groups_trained,
                 "rollout_ranks": self.topo.rollout_ranks,
                 "train_ranks": self.topo.train_ranks,
+                "states": protocol.states_held(self.topo.train_ranks, self.topo.rollout_ranks),
                 "reason": reason,
                 "time": time.time(),
             }
@@ -411,7 +411,7 @@ class TrainerLeader:
                     "owned it): start a new run"
                 )
             state = {key: reader.get(key) for key in ("queue", "order", "partial_groups")}
-        self.intake.load_state_dict({**state, "groups_trained": meta["groups_trained"]})
+        self.intake.load_state_dict(state, meta["groups_trained"])
         self.progress.load_state_dict(meta)
         self.checkpoint_time = meta.get("time", (folder / protocol.MANIFEST).stat().st_mtime)
         # Steps after the checkpoint are trained again: forget what the killed run logged of them.

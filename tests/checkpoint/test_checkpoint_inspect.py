@@ -78,6 +78,11 @@ def test_inspect_a_checkpoint_folder_and_a_part(real_run: Path) -> None:
     assert "rollout_ranks=1" in out and "train_ranks=1" in out
     for part in ("trainer0.h5", "rollout0.h5", "leader.h5"):
         assert f"  {part}" in out and "checksums ok" in out
+    # every state object the checkpoint collected, by name, with the files that hold it
+    assert "state progress  manifest.json" in out and "state intake    leader.h5" in out
+    assert "state policy    trainer0.h5" in out
+    assert "state rng       trainer0.h5, rollout0.h5" in out
+    assert "state cut_groups rollout0.h5" in out
     trainer, _ = load_checkpoint(folder / "trainer0.h5")
     assert f"{leaves(trainer)} tensors" in out
     queued = len(load_checkpoint(folder / "leader.h5")[0]["queue"])
