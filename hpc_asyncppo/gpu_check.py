@@ -150,10 +150,10 @@ def check_checkpoint(device: torch.device, work: Path) -> str:
     """A checkpoint part written from the device and restored onto it through the run's own
     protocol (write, commit, verify, read the rows back): same weights, same next step."""
     from hpc_asyncppo.checkpoint import protocol
+    from hpc_asyncppo.checkpoint.protocol import restore_trainer_part, write_trainer_part
     from hpc_asyncppo.trainer.batch import to_tensors
     from hpc_asyncppo.trainer.model import gather_full
     from hpc_asyncppo.trainer.policy import ppo_update
-    from hpc_asyncppo.trainer.trainer import restore_trainer_part, write_trainer_part
 
     a = _policy(work, device)
     ppo_update(a, to_tensors(random_batch(16, seed=2), device))

@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
             from hpc_asyncppo.rollout.rollouter import run_rollouter as run_role
         else:
             from hpc_asyncppo.trainer.trainer import run_trainer as run_role
-        from hpc_asyncppo.checkpoint.resume import find_resume_checkpoint
+        from hpc_asyncppo.checkpoint.protocol import find_resume_checkpoint
         from hpc_asyncppo.runtime.topology import build_topology, close_topology
 
         startup.resume_collection()

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from hpc_asyncppo.checkpoint import protocol
+from hpc_asyncppo.checkpoint.protocol import write_trainer_part
 from hpc_asyncppo.config import (
     AlgorithmConfig,
     Config,
@@ -32,7 +33,6 @@ from hpc_asyncppo.models.tiny import build_tokenizer
 from hpc_asyncppo.paths import HF_FINAL
 from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.policy import Policy
-from hpc_asyncppo.trainer.trainer import write_trainer_part
 from tests.conftest import REPO, vllm_environment
 
 CPU = torch.device("cpu")

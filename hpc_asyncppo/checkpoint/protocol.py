@@ -31,12 +31,22 @@ Saving, in order (the roles call these at one point of their loop each):
 3. every trainer rank writes ``trainer<k>.h5``; the followers report their part;
 4. the leader writes ``leader.h5`` (the queue, now complete) and the manifest.
 
-Resuming (``choose_checkpoint``, collective over every rank): the leader proposes the newest
-checkpoint with a manifest; every rank checks that the parts it needs exist with their
-sizes and verifies their checksums, in parallel; if any part is missing or corrupt, each
-such part is named in one line and the next older checkpoint is tried. A trainer rank needs
-the trainer parts whose rows overlap its own (with as many trainer ranks as before: exactly
-its own part); a rollout rank its own part only.
+Resuming: a job always resumes when its run directory holds a valid checkpoint; that is
+how a requeued Slurm job (same batch script) and ``submit --resume RUN_DIR`` both continue.
+``find_resume_checkpoint`` (collective over every rank): the leader proposes the newest
+checkpoint with a manifest; every rank checks that the parts it needs (``parts_needed``)
+exist with their sizes and verifies their checksums, in parallel; if any part is missing or
+corrupt, each such part is named in one line and the next older checkpoint is tried. Each
+role then reads its own part. Any number of rollout and trainer ranks may resume a
+checkpoint: a trainer rank reads the rows of the old trainer parts that overlap its own
+(``overlapping_parts``; with as many trainer ranks as before, exactly its own part), the
+leader the intake (the data order is the leader's), a rollout rank its own part and the
+cut groups of the old ranks it continues (``continued_parts``).
+
+The roles' state goes in through ``state_dict``-like trees and comes back through the
+readers here: ``write_trainer_part``/``restore_trainer_part`` for a trainer rank (the
+policy's shards and its RNGs), the leader's ``Intake.state_dict`` and ``Progress``, a
+rollout rank's cut groups (``rollout/rollouter.py``).
 """
 
 from __future__ import annotations
@@ -53,7 +63,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -64,10 +74,16 @@ from hpc_asyncppo.checkpoint.store import (
     CheckpointReader,
     fsync_dir,
     fsync_file,
+    rng_state,
     save_checkpoint,
+    set_rng_state,
     verify_checkpoint,
 )
 from hpc_asyncppo.paths import CHECKPOINTS
+from hpc_asyncppo.runtime.topology import ROLLOUT, Topology
+
+if TYPE_CHECKING:
+    from hpc_asyncppo.trainer.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -434,3 +450,47 @@ def read_full(folder: Path, section: str) -> dict[str, torch.Tensor]:
             shape = reader.shape((section, name))
             out[name] = reader.rows((section, name), slice(0, shape[0])).reshape(shape)
         return out
+
+
+# --- each rank's part, and what it reads on resume ------------------------------------------
+
+
+def trainer_tree(policy: Policy) -> dict:
+    """A trainer rank's part: its shards of the model and optimizer, and its RNGs."""
+    return {**policy.shard_tree(), "rng": rng_state()}
+
+
+def write_trainer_part(folder: Path, policy: Policy, rank: int) -> PartInfo:
+    """Trainer rank ``rank``'s part, written (a CheckpointError or OSError if it cannot be)."""
+    return write_part(folder, trainer_part(rank), trainer_tree(policy))
+
+
+def restore_trainer_part(folder: Path, policy: Policy, rank: int, ranks: int) -> dict:
+    """Load this rank's rows from the parts that hold them, and its RNGs when the
+    checkpoint had a part of its number; returns the checkpoint's manifest."""
+    manifest = read_manifest(folder)
+    old = overlapping_parts(rank, ranks, manifest["train_ranks"])
+    with ShardedReader(folder, manifest, old) as reader:
+        policy.load_state(reader, str(folder))
+    if rank < manifest["train_ranks"]:  # absent when resuming with more trainer ranks
+        with CheckpointReader(folder / trainer_part(rank)) as reader:
+            set_rng_state(reader.get("rng"))
+    return manifest
+
+
+def parts_needed(topo: Topology, manifest: dict) -> list[str]:
+    """The parts of a checkpoint this rank reads on resume."""
+    if topo.role == ROLLOUT:  # its own part, and those of old ranks it takes cut groups from
+        old = continued_parts(topo.world_rank, topo.rollout_ranks, manifest["rollout_ranks"])
+        return [rollout_part(o) for o in old]
+    rank = topo.world_rank - topo.leader
+    old = overlapping_parts(rank, topo.train_ranks, manifest["train_ranks"])
+    names = [trainer_part(k) for k in old]
+    return names + ([LEADER_PART] if topo.is_leader else [])
+
+
+def find_resume_checkpoint(run_dir: Path, topo: Topology) -> Path | None:
+    """The checkpoint folder to resume from, or None for a fresh start."""
+    return choose_checkpoint(
+        run_dir, MPI.COMM_WORLD, topo.leader, lambda manifest: parts_needed(topo, manifest)
+    )

@@ -1,18 +1,27 @@
-"""The channel between the trainer leader and the other trainer ranks (the followers).
+"""The trainer ranks other than the leader (the followers): their channel and their loop.
 
 The leader sends each follower one message per order (``Order``): TRAIN with its shard of
 the step's batch, SYNC (every rank gathers its shards of the weights, in step), CHECKPOINT
 (every rank writes its own part and reports it back) and STOP. A follower does nothing
 between two orders, so one tag in each direction suffices; every wait is bounded.
+``run_follower`` is a follower's whole life: wait for an order, carry it out.
 """
 
 from __future__ import annotations
 
+import time
 from enum import Enum
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
+from hpc_asyncppo.checkpoint import protocol
+from hpc_asyncppo.config import Config
+from hpc_asyncppo.runtime.topology import Topology
+from hpc_asyncppo.timeline import Timeline
+from hpc_asyncppo.trainer.batch import to_tensors
+from hpc_asyncppo.trainer.policy import Policy, ppo_update
 from hpc_asyncppo.transport.arrays import pack_arrays, unpack_arrays
 from hpc_asyncppo.transport.waits import poll_until
 
@@ -87,3 +96,32 @@ def report_part(comm: MPI.Intracomm, report: dict, timeout_s: float) -> None:
     buf = pack_arrays({}, report)
     req = comm.Isend([buf, MPI.BYTE], dest=0, tag=TAG_PART)
     poll_until(req.Test, timeout_s, "the trainer leader to take the part")
+
+
+def run_follower(
+    cfg: Config, topo: Topology, run_dir: Path, policy: Policy, timeline: Timeline
+) -> None:
+    """A non-leader trainer rank: train on each shard the leader sends until told to stop."""
+    # The leader may wait for samples, a sync and a checkpoint between two shards.
+    timeout = cfg.timeouts.sample_wait_s + cfg.timeouts.weight_sync_s + 2 * cfg.timeouts.rank_wait_s
+    while True:
+        wait_start = time.time()
+        order, step, shard = next_order(topo.local, timeout)
+        timeline.record("wait", wait_start, time.time(), step=step)
+        if order is Order.STOP:
+            timeline.close()
+            return
+        if order is Order.SYNC:  # the leader broadcasts; this rank gives its shards of each tensor
+            for _ in policy.named_weights():
+                pass
+            continue
+        if order is Order.CHECKPOINT:
+            folder = protocol.step_dir(run_dir, step)
+            name = protocol.trainer_part(topo.local_rank)
+            written = protocol.write_own_part(folder, name, protocol.trainer_tree(policy))
+            report_part(topo.local, written, cfg.timeouts.rank_wait_s)
+            continue
+        train_start = time.time()
+        if ppo_update(policy, to_tensors(shard, topo.device)) is None:
+            continue  # abandoned by a stop signal, as on the leader: a checkpoint order follows
+        timeline.record("train", train_start, time.time(), step=step)

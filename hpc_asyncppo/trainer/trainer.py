@@ -1,19 +1,19 @@
-"""The trainer ranks' main loop.
+"""The trainer leader's loop (the first trainer rank; the others: ``followers.py``).
 
-The leader (first trainer rank), top to bottom: broadcast the weights (version 0, or the
-checkpoint's version on resume); then for each step collect ``required_groups`` fresh groups
-(receiving samples and granting credits while it waits; groups older than ``max_staleness``
-versions are dropped and recorded, and with dynamic sampling groups whose rewards are all
-equal are dropped, recorded and refilled), add the overlong penalty to the rewards, compute
-the group advantages (GRPO, RLOO, REINFORCE++ baseline) over whole groups, hand every
-trainer rank an equal shard, run the PPO update (gradients all-reduced across trainer
-ranks), log, every ``sync_every`` steps broadcast the weights as a new version, and every
-``checkpoint.save_every`` steps write a checkpoint; every ``trainer.test_freq`` steps it asks
-the rollout ranks to validate the newest weights (``validation.py``). A stop signal
-(Slurm's warning signal, SIGTERM, the launcher's forwarded Ctrl-C) ends the loop with a
-checkpoint at once: a batch being gathered, or one whose update has not reached its
-optimizer step (``ppo_update`` abandons it), goes back to the front of the queue.
-Followers only receive shards and update (and send their RNG state for a checkpoint).
+Top to bottom: broadcast the weights (version 0, or the checkpoint's version on resume);
+then for each step take a batch from the intake (``intake.py``: fresh groups within the
+staleness bound, dynamic sampling's drops refilled, credits granted while it waits), run
+the PPO update with every trainer rank on its shard (advantages over whole groups from
+``advantages.py``), log it (``steplog.py``), every ``sync_every`` steps broadcast the
+weights as a new version, every ``trainer.test_freq`` steps ask the rollout ranks to
+validate them, and every ``checkpoint.save_every`` steps checkpoint
+(``checkpoint/protocol.py``). A stop signal (Slurm's warning signal, SIGTERM, the
+launcher's forwarded Ctrl-C) ends the loop with a checkpoint at once: a batch being
+gathered, or one whose update has not reached its optimizer step (``ppo_update`` abandons
+it), goes back to the front of the queue.
+
+The leader's state is in objects that checkpoint themselves: the intake, the counters
+(``progress.py``), the policy's shards; the checkpoint collects them (``checkpoint``).
 """
 
 from __future__ import annotations
@@ -32,11 +32,9 @@ from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.checkpoint.store import (
     CheckpointError,
     CheckpointReader,
-    rng_state,
-    set_rng_state,
 )
 from hpc_asyncppo.config import Config
-from hpc_asyncppo.paths import DROPPED, HF_FINAL, OVERFLOW, PREEMPTED, TRAINED
+from hpc_asyncppo.paths import HF_FINAL, OVERFLOW, PREEMPTED
 from hpc_asyncppo.runtime import startup
 from hpc_asyncppo.runtime.signals import stop_requested, stop_requested_at
 from hpc_asyncppo.runtime.topology import Topology
@@ -45,13 +43,14 @@ from hpc_asyncppo.tasks.overlong import usable_prompts
 from hpc_asyncppo.timeline import Timeline
 from hpc_asyncppo.trainer import advantages
 from hpc_asyncppo.trainer.batch import collate, shard_rows, to_tensors
-from hpc_asyncppo.trainer.followers import Followers, Order, next_order, report_part
-from hpc_asyncppo.trainer.intake import Batch, Intake, staleness_of
+from hpc_asyncppo.trainer.followers import Followers, Order, run_follower
+from hpc_asyncppo.trainer.intake import Batch, Intake
 from hpc_asyncppo.trainer.policy import Policy, peak_memory_mb, ppo_update
 from hpc_asyncppo.trainer.progress import Progress
 from hpc_asyncppo.trainer.queue import SpillQueue
+from hpc_asyncppo.trainer.steplog import StepLog
 from hpc_asyncppo.trainer.validation import ValidationLog
-from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleReceiver
+from hpc_asyncppo.transport.samples import Control, SampleReceiver
 from hpc_asyncppo.transport.waits import poll_until
 from hpc_asyncppo.transport.weight_group import open_weight_group
 from hpc_asyncppo.transport.weights import Background, WeightBroadcaster
@@ -90,7 +89,7 @@ class TrainerLeader:
             SpillQueue(run_dir / OVERFLOW, cfg.buffer.memory_limit_mb),
             num_prompts,
             topo.rollout_ranks,
-            on_group=self.note_rollout,
+            on_group=lambda group: self.steplog.note_rollout(group),
         )
         self.last_sync_s = 0.0
         # in-flight weight updates: the broadcast on its side thread, once a first went out
@@ -99,21 +98,16 @@ class TrainerLeader:
         )
         self.sending: Background | None = None
         self.version_sent = False
-        # what each rollout rank last said of itself, with its newest group
-        self.rollout_idle: dict[int, tuple[float, float]] = {}
-        self.tokens_regenerated: dict[int, int] = {}  # cumulative
-        self.sync_pause: dict[int, float] = {}  # its engine's last pause
         self.checkpoint_time: float | None = None  # when the resumed checkpoint was committed
         if checkpoint is not None:
             self.restore(checkpoint)
         else:
             runlog.truncate_to_step(run_dir, 0)  # a --resume with no checkpoint starts over
         self.attempt = goodput.Attempt(run_dir, self.progress.step, self.checkpoint_time)
-        self.metrics = runlog.MetricsWriter(run_dir)
-        self.validation = ValidationLog(cfg, self.receiver, self.metrics)
+        # the logs open once a resume has cut them back to the checkpoint's step
+        self.steplog = StepLog(cfg, run_dir, self.progress)
+        self.validation = ValidationLog(cfg, self.receiver, self.steplog.metrics)
         self.timeline = Timeline(run_dir, topo.world_rank, "trainer")
-        self.trained_log = runlog.JsonlWriter(run_dir / TRAINED)
-        self.dropped_log = runlog.JsonlWriter(run_dir / DROPPED)
         self.pad_id = policy.model.config.pad_token_id or 0
 
     @property
@@ -162,18 +156,11 @@ class TrainerLeader:
         self.attempt.end(
             self.step,
             f"signal {stopped_by}" if stopped_by else "finished",
-            tokens_regenerated=sum(self.tokens_regenerated.values()),
+            tokens_regenerated=sum(self.steplog.tokens_regenerated.values()),
             stop_latency_s=latency,
         )
 
     # --- the steps ----------------------------------------------------------------------
-    def note_rollout(self, group: SampleGroup) -> None:
-        """A group arrived: what its rollout rank says of itself, for the metrics."""
-        rank = group.rollout_rank
-        self.rollout_idle[rank] = (group.rollout_idle_s, group.rollout_elapsed_s)
-        self.tokens_regenerated[rank] = group.tokens_regenerated
-        self.sync_pause[rank] = group.rollout_sync_pause_s
-
     def take_batch(self) -> Batch | None:
         """The next step's groups (``Intake.take``), its drops recorded; None on a stop."""
         waited_since, wall_start = time.monotonic(), time.time()
@@ -188,7 +175,7 @@ class TrainerLeader:
         self.timeline.record("wait", wall_start, time.time(), step=self.step + 1)
         if batch is not None:
             for group, reason in batch.dropped:
-                self.record_drop(group, reason)
+                self.steplog.dropped(group, reason)
         return batch
 
     def train(self, batch: Batch) -> dict[str, float] | None:
@@ -205,7 +192,14 @@ class TrainerLeader:
         if stats is None:
             return None
         self.progress.step += 1
-        self.record(batch, rewards, stats)
+        leader = {
+            "queue/groups": len(self.intake),
+            "queue/spilled_groups": self.intake.queue.spilled_count,
+            "sync/time_s": self.last_sync_s,
+            "memory/trainer_state_mb": self.policy.state_bytes() / 2**20,
+            "memory/trainer_peak_mb": peak_memory_mb(self.topo.device),
+        }
+        self.steplog.trained(batch, rewards, stats, leader)
         self.timeline.record("train", train_start, time.time(), step=self.step)
         return stats
 
@@ -266,78 +260,6 @@ class TrainerLeader:
             self.last_sync_s = float(self.sending.result(self.cfg.timeouts.weight_sync_s))
             self.sending = None
 
-    # --- what is logged -----------------------------------------------------------------
-    def record_drop(self, group: SampleGroup, reason: str) -> None:
-        """A group the intake dropped, in the sample log and the counters; recorded under
-        the step whose batch was being gathered, so that a resume from the checkpoint of
-        the step before drops (and records) it exactly once."""
-        self.progress.samples_dropped += group.n
-        self.progress.samples_filtered += group.n if reason == "filtered" else 0
-        rows = [self.sample_row(group, j, self.step + 1, reason=reason) for j in range(group.n)]
-        self.dropped_log.write(rows)
-
-    def sample_row(self, group: SampleGroup, j: int, step: int, **extra: object) -> dict:
-        return {
-            "uid": group.uid(j),
-            "step": step,
-            "param_version_start": group.param_version_start,
-            "param_version_end": group.param_version_end,
-            "staleness": staleness_of(group, self.version),
-            "reward": float(group.rewards[j]),
-            "rollout_rank": group.rollout_rank,
-            **extra,
-        }
-
-    def record(self, batch: Batch, rewards: np.ndarray, stats: dict[str, float]) -> None:
-        """``rewards``: (G, n) what was trained on (the task's reward is in each row)."""
-        groups = batch.groups
-        rows = [self.sample_row(g, j, self.step) for g in groups for j in range(g.n)]
-        self.trained_log.write(rows)
-        self.progress.samples_trained += len(rows)
-        elapsed = self.progress.elapsed_s()
-        staleness = [r["staleness"] for r in rows]
-        rollout_idle = [idle / max(total, 1e-9) for idle, total in self.rollout_idle.values()]
-        self.metrics.write(
-            [
-                {
-                    "step": self.step,
-                    "param_version": self.version,
-                    "reward/mean": float(np.mean([r["reward"] for r in rows])),
-                    "staleness/mean": float(np.mean(staleness)),
-                    "staleness/max": int(max(staleness)),
-                    "samples/total": self.progress.samples_trained,
-                    "samples/dropped": self.progress.samples_dropped,
-                    "queue/groups": len(self.intake),
-                    "queue/spilled_groups": self.intake.queue.spilled_count,
-                    "time/elapsed_s": elapsed,
-                    "throughput/samples_per_s": self.progress.samples_trained / max(elapsed, 1e-9),
-                    "trainer/idle_ratio": self.progress.idle_s / max(elapsed, 1e-9),
-                    "rollouter/idle_ratio": float(np.mean(rollout_idle)) if rollout_idle else 0.0,
-                    "sync/time_s": self.last_sync_s,
-                    "sync/pause_s": max(self.sync_pause.values(), default=0.0),
-                    "memory/trainer_state_mb": self.policy.state_bytes() / 2**20,
-                    "memory/trainer_peak_mb": peak_memory_mb(self.topo.device),
-                    **self.recipe_metrics(batch, rewards),
-                    **batch_metrics(groups, rewards, self.cfg.rollout.response_length),
-                    **stats,
-                }
-            ]
-        )
-
-    def recipe_metrics(self, batch: Batch, rewards: np.ndarray) -> dict:
-        """Dynamic sampling's and the overlong penalty's numbers for this step, when on."""
-        out: dict[str, float] = {}
-        if self.cfg.algorithm.filter_groups.enable:
-            out["filter_groups/filtered_groups"] = batch.filtered
-            out["filter_groups/zero_variance_kept"] = batch.flat_kept
-            out["samples/filtered"] = self.progress.samples_filtered
-        if self.cfg.reward.overlong_buffer.enable:
-            task = np.stack([g.rewards for g in batch.groups])
-            out["reward/overlong_penalty_mean"] = float(np.mean(rewards - task))
-            out["reward/overlong_fraction"] = float(np.mean(rewards < task))
-            out["reward/trained_mean"] = float(np.mean(rewards))
-        return out
-
     # --- checkpoints (the protocol: checkpoint/protocol.py) -------------------------------
     def checkpoint(self, reason: str) -> None:
         """Every rank writes its own part of the checkpoint in parallel; the leader drains the
@@ -358,7 +280,7 @@ class TrainerLeader:
             # every rank's report first, so that none waits on a leader that gave up
             reports = self.intake.collect_parts(self.cfg.timeouts.rank_wait_s, self.validation.poll)
             own = protocol.write_own_part(
-                folder, protocol.trainer_part(0), trainer_tree(self.policy)
+                folder, protocol.trainer_part(0), protocol.trainer_tree(self.policy)
             )
             reports.append(("trainer rank 0", own))
             reports += self.followers.collect_parts()
@@ -403,7 +325,7 @@ class TrainerLeader:
         return latency
 
     def restore(self, folder: Path) -> None:
-        meta = restore_trainer_part(folder, self.policy, 0, self.topo.train_ranks)
+        meta = protocol.restore_trainer_part(folder, self.policy, 0, self.topo.train_ranks)
         with CheckpointReader(folder / protocol.LEADER_PART) as reader:
             if "order" not in reader.keys():
                 raise CheckpointError(
@@ -457,74 +379,11 @@ class TrainerLeader:
                 sorted(self.validation.waiting),
             )
         for group in self.intake.drain():
-            self.record_drop(group, "run_ended")
+            self.steplog.dropped(group, "run_ended")
         self.intake.queue.close()
         self.receiver.flush(self.cfg.timeouts.rank_wait_s)
-        for writer in (self.metrics, self.trained_log, self.dropped_log, self.timeline):
-            writer.close()
-
-
-def batch_metrics(groups: list[SampleGroup], rewards: np.ndarray, max_length: int) -> dict:
-    """What the step trained on: the share of groups whose trained rewards (G, n) are all
-    equal (no GRPO signal), and the responses' mean length and share cut at max_length."""
-    lengths = np.concatenate([g.response_lengths for g in groups]).astype(np.float64)
-    return {
-        "batch/zero_variance_groups": float(np.mean(np.ptp(rewards, axis=1) == 0)),
-        "response_length/mean": float(lengths.mean()),
-        "response_length/clip_ratio": float(np.mean(lengths >= max_length)),
-    }
-
-
-def run_follower(
-    cfg: Config, topo: Topology, run_dir: Path, policy: Policy, timeline: Timeline
-) -> None:
-    """A non-leader trainer rank: train on each shard the leader sends until told to stop."""
-    # The leader may wait for samples, a sync and a checkpoint between two shards.
-    timeout = cfg.timeouts.sample_wait_s + cfg.timeouts.weight_sync_s + 2 * cfg.timeouts.rank_wait_s
-    while True:
-        wait_start = time.time()
-        order, step, shard = next_order(topo.local, timeout)
-        timeline.record("wait", wait_start, time.time(), step=step)
-        if order is Order.STOP:
-            timeline.close()
-            return
-        if order is Order.SYNC:  # the leader broadcasts; this rank gives its shards of each tensor
-            for _ in policy.named_weights():
-                pass
-            continue
-        if order is Order.CHECKPOINT:
-            folder = protocol.step_dir(run_dir, step)
-            name = protocol.trainer_part(topo.local_rank)
-            written = protocol.write_own_part(folder, name, trainer_tree(policy))
-            report_part(topo.local, written, cfg.timeouts.rank_wait_s)
-            continue
-        train_start = time.time()
-        if ppo_update(policy, to_tensors(shard, topo.device)) is None:
-            continue  # abandoned by a stop signal, as on the leader: a checkpoint order follows
-        timeline.record("train", train_start, time.time(), step=step)
-
-
-def trainer_tree(policy: Policy) -> dict:
-    """A trainer rank's part: its shards of the model and optimizer, and its RNGs."""
-    return {**policy.shard_tree(), "rng": rng_state()}
-
-
-def write_trainer_part(folder: Path, policy: Policy, rank: int) -> protocol.PartInfo:
-    """Trainer rank ``rank``'s part, written (a CheckpointError or OSError if it cannot be)."""
-    return protocol.write_part(folder, protocol.trainer_part(rank), trainer_tree(policy))
-
-
-def restore_trainer_part(folder: Path, policy: Policy, rank: int, ranks: int) -> dict:
-    """Load this rank's rows from the parts that hold them, and its RNGs when the
-    checkpoint had a part of its number; returns the checkpoint's manifest."""
-    manifest = protocol.read_manifest(folder)
-    old = protocol.overlapping_parts(rank, ranks, manifest["train_ranks"])
-    with protocol.ShardedReader(folder, manifest, old) as reader:
-        policy.load_state(reader, str(folder))
-    if rank < manifest["train_ranks"]:  # absent when resuming with more trainer ranks
-        with CheckpointReader(folder / protocol.trainer_part(rank)) as reader:
-            set_rng_state(reader.get("rng"))
-    return manifest
+        self.steplog.close()
+        self.timeline.close()
 
 
 def run_trainer(cfg: Config, topo: Topology, run_dir: Path, checkpoint: Path | None = None) -> None:
@@ -543,5 +402,5 @@ def run_trainer(cfg: Config, topo: Topology, run_dir: Path, checkpoint: Path | N
             raise
         return
     if checkpoint is not None:
-        restore_trainer_part(checkpoint, policy, topo.local_rank, topo.train_ranks)
+        protocol.restore_trainer_part(checkpoint, policy, topo.local_rank, topo.train_ranks)
     run_follower(cfg, topo, run_dir, policy, Timeline(run_dir, topo.world_rank, "trainer"))

@@ -128,8 +128,8 @@ def full_state(policy) -> dict[str, np.ndarray]:
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, folder: str, out: str) -> None:
+    from hpc_asyncppo.checkpoint.protocol import restore_trainer_part, write_trainer_part
     from hpc_asyncppo.trainer.policy import Policy, ppo_update
-    from hpc_asyncppo.trainer.trainer import restore_trainer_part, write_trainer_part
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)  # fmt: skip

@@ -1,0 +1,124 @@
+"""What the trainer leader logs: one line per sample trained or dropped, one metrics row per
+step.
+
+``StepLog`` owns the writers (``metrics.jsonl`` and TensorBoard, ``trained_samples.jsonl``,
+``dropped_samples.jsonl``) and what the rollout ranks last said of themselves: each group
+carries its sender's idle time, regenerated tokens and last sync pause, read as it
+arrives (``note_rollout``). The sample counts it keeps are the leader's ``Progress``,
+which checkpoints them. Memory: a few numbers per rollout rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from hpc_asyncppo import runlog
+from hpc_asyncppo.config import Config
+from hpc_asyncppo.paths import DROPPED, TRAINED
+from hpc_asyncppo.trainer.intake import Batch, staleness_of
+from hpc_asyncppo.trainer.progress import Progress
+from hpc_asyncppo.transport.samples import SampleGroup
+
+
+class StepLog:
+    def __init__(self, cfg: Config, run_dir: Path, progress: Progress):
+        self.cfg, self.progress = cfg, progress
+        self.metrics = runlog.MetricsWriter(run_dir)
+        self.trained_log = runlog.JsonlWriter(run_dir / TRAINED)
+        self.dropped_log = runlog.JsonlWriter(run_dir / DROPPED)
+        self.rollout_idle: dict[int, tuple[float, float]] = {}  # (idle, elapsed) per rank
+        self.tokens_regenerated: dict[int, int] = {}  # per rank, cumulative
+        self.sync_pause: dict[int, float] = {}  # per rank, its engine's last pause
+
+    def note_rollout(self, group: SampleGroup) -> None:
+        """A group arrived: what its rollout rank says of itself."""
+        rank = group.rollout_rank
+        self.rollout_idle[rank] = (group.rollout_idle_s, group.rollout_elapsed_s)
+        self.tokens_regenerated[rank] = group.tokens_regenerated
+        self.sync_pause[rank] = group.rollout_sync_pause_s
+
+    def dropped(self, group: SampleGroup, reason: str) -> None:
+        """A group dropped while the next step's batch was gathered, recorded under that
+        step: a resume from the checkpoint of the step before drops (and records) it once."""
+        self.progress.samples_dropped += group.n
+        self.progress.samples_filtered += group.n if reason == "filtered" else 0
+        step = self.progress.step + 1
+        self.dropped_log.write(
+            [self.sample_row(group, j, step, reason=reason) for j in range(group.n)]
+        )
+
+    def sample_row(self, group: SampleGroup, j: int, step: int, **extra: object) -> dict:
+        return {
+            "uid": group.uid(j),
+            "step": step,
+            "param_version_start": group.param_version_start,
+            "param_version_end": group.param_version_end,
+            "staleness": staleness_of(group, self.progress.version),
+            "reward": float(group.rewards[j]),
+            "rollout_rank": group.rollout_rank,
+            **extra,
+        }
+
+    def trained(
+        self, batch: Batch, rewards: np.ndarray, stats: dict[str, float], leader: dict[str, float]
+    ) -> None:
+        """The step just trained on ``batch``: its samples, and its metrics row with the
+        update's ``stats`` and the ``leader``'s own numbers (queue, sync, memory).
+        ``rewards``: (G, n) what was trained on (the task's reward is in each group)."""
+        progress = self.progress
+        rows = [self.sample_row(g, j, progress.step) for g in batch.groups for j in range(g.n)]
+        self.trained_log.write(rows)
+        progress.samples_trained += len(rows)
+        elapsed = progress.elapsed_s()
+        staleness = [r["staleness"] for r in rows]
+        rollout_idle = [idle / max(total, 1e-9) for idle, total in self.rollout_idle.values()]
+        row = {
+            "step": progress.step,
+            "param_version": progress.version,
+            "reward/mean": float(np.mean([r["reward"] for r in rows])),
+            "staleness/mean": float(np.mean(staleness)),
+            "staleness/max": int(max(staleness)),
+            "samples/total": progress.samples_trained,
+            "samples/dropped": progress.samples_dropped,
+            "time/elapsed_s": elapsed,
+            "throughput/samples_per_s": progress.samples_trained / max(elapsed, 1e-9),
+            "trainer/idle_ratio": progress.idle_s / max(elapsed, 1e-9),
+            "rollouter/idle_ratio": float(np.mean(rollout_idle)) if rollout_idle else 0.0,
+            "sync/pause_s": max(self.sync_pause.values(), default=0.0),
+            **leader,
+            **self.recipe_metrics(batch, rewards),
+            **batch_metrics(batch.groups, rewards, self.cfg.rollout.response_length),
+            **stats,
+        }
+        self.metrics.write([row])
+
+    def recipe_metrics(self, batch: Batch, rewards: np.ndarray) -> dict:
+        """Dynamic sampling's and the overlong penalty's numbers for this step, when on."""
+        out: dict[str, float] = {}
+        if self.cfg.algorithm.filter_groups.enable:
+            out["filter_groups/filtered_groups"] = batch.filtered
+            out["filter_groups/zero_variance_kept"] = batch.flat_kept
+            out["samples/filtered"] = self.progress.samples_filtered
+        if self.cfg.reward.overlong_buffer.enable:
+            task = np.stack([g.rewards for g in batch.groups])
+            out["reward/overlong_penalty_mean"] = float(np.mean(rewards - task))
+            out["reward/overlong_fraction"] = float(np.mean(rewards < task))
+            out["reward/trained_mean"] = float(np.mean(rewards))
+        return out
+
+    def close(self) -> None:
+        for writer in (self.metrics, self.trained_log, self.dropped_log):
+            writer.close()
+
+
+def batch_metrics(groups: list[SampleGroup], rewards: np.ndarray, max_length: int) -> dict:
+    """What the step trained on: the share of groups whose trained rewards (G, n) are all
+    equal (no GRPO signal), and the responses' mean length and share cut at max_length."""
+    lengths = np.concatenate([g.response_lengths for g in groups]).astype(np.float64)
+    return {
+        "batch/zero_variance_groups": float(np.mean(np.ptp(rewards, axis=1) == 0)),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/clip_ratio": float(np.mean(lengths >= max_length)),
+    }
