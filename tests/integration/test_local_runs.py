@@ -189,25 +189,6 @@ def test_dynamic_sampling_drops_flat_groups_refills_the_batch_and_the_audit_bala
     assert all(m["reward/overlong_penalty_mean"] <= 0 for m in metrics)
 
 
-def test_dynamic_sampling_trains_flat_groups_once_max_num_gen_batches_is_spent(tmp_path):
-    """max_num_gen_batches=1: one batch's worth of groups per step and no refills, so the
-    flat groups are trained on (and counted), none dropped."""
-    run_dir = tmp_path / "run"
-    args = [*SMALL, "trainer.total_steps=3", "algorithm.filter_groups.enable=true",
-            "algorithm.filter_groups.max_num_gen_batches=1",
-            "data.reward_fn=tests.integration.faults:flat_on_even_prompts"]  # fmt: skip
-    proc = submit(run_dir, *args)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    trained = check_audit(run_dir, sync_every=2, max_staleness=4)
-    assert [r for r in trained if int(r["uid"].split("-")[2][1:]) % 2 == 0]
-    assert not [
-        r for r in read_jsonl(run_dir / "dropped_samples.jsonl") if r["reason"] == "filtered"
-    ]
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert all(m["filter_groups/filtered_groups"] == 0 for m in metrics)
-    assert sum(m["filter_groups/zero_variance_kept"] for m in metrics) > 0
-
-
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
     run_dir = tmp_path / "run"
     proc = submit(

@@ -201,6 +201,20 @@ def test_equal_reward_groups_are_dropped_and_refilled_up_to_the_bound(tmp_path):
     assert len(link.granted) == 6
 
 
+def test_with_one_generation_batch_per_step_flat_groups_are_trained_and_counted(tmp_path):
+    """max_num_gen_batches=1: no refills, so a step trains on the flat groups it gets
+    (counted for the metrics and the warning), and nothing is dropped."""
+    intake, link = make_intake(
+        tmp_path, 1,
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=1",
+    )  # fmt: skip
+    link.rewards.extend([(1.0, 1.0), (0.0, 1.0), (0.0, 0.0)])
+    batch = take(intake, link)
+    assert batch.dropped == [] and batch.filtered == 0 and batch.flat_kept == 1
+    assert [tuple(g.rewards) for g in batch.groups] == [(1.0, 1.0), (0.0, 1.0)]
+    check_accounting(intake, link)
+
+
 # --- stops, put-back -------------------------------------------------------------------------
 
 
