@@ -7,9 +7,14 @@ launch of ``submit`` (start-up included) and from the first weight sync (trainin
 ``time/elapsed_s``); the start-up (launch to the first weight sync: the first row's
 ``time/unix - time/elapsed_s``, when the trainer's clock started); samples per second, both
 idle ratios (the last step's) and the mean staleness. Per mode it prints the medians over
-the seeds and the ratios to sync (time to reward: sync / mode, > 1 is faster than sync).
+the seeds and the ratios to sync (time to reward: sync / mode, > 1 is faster than sync),
+and how it learned over the seeds: how many reached the target, the final reward's mean,
+spread and worst seed and, with ``--greedy-val``, the greedy validation reward at the end
+on the task's held-out prompts (``next_digit.held_out_prompts``, as the learning tests).
 
     python scripts/bench_time_to_reward.py                          # sync vs fully_async, seeds 1 2
+    python scripts/bench_time_to_reward.py --no-sync --greedy-val --seeds 1 2 3 4 5 \
+        --mode "lr5e-4=actor.lr=5e-4"                                # defaults: learning over seeds
     python scripts/bench_time_to_reward.py --steps 300 --seeds 1 2 3 \\
         --mode "stale0.5=async_training.staleness_threshold=0.5" \\
         --mode "stale0.5_is=async_training.staleness_threshold=0.5 algorithm.rollout_is=token"
@@ -29,7 +34,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hpc_asyncppo.tasks.next_digit import LEARNED_REWARD  # noqa: E402
+from hpc_asyncppo.runlog import split_metrics  # noqa: E402
+from hpc_asyncppo.tasks.next_digit import (  # noqa: E402
+    LEARNED_REWARD,
+    held_out_prompts,
+    write_prompts,
+)
+
+VAL_PROMPTS = 128
 
 
 def run(overrides: list[str], steps: int, seed: int, run_dir: Path) -> dict:
@@ -39,7 +51,8 @@ def run(overrides: list[str], steps: int, seed: int, run_dir: Path) -> dict:
     launched = time.time()
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"launched": launched, "rows": [r for r in rows if "reward/mean" in r]}
+    steps, vals = split_metrics(rows)
+    return {"launched": launched, "rows": steps, "vals": vals}
 
 
 def measure(result: dict, window: int, target: float) -> dict:
@@ -60,6 +73,7 @@ def measure(result: dict, window: int, target: float) -> dict:
         "rollout_idle": last["rollouter/idle_ratio"],
         "staleness": statistics.fmean(r["staleness/mean"] for r in rows),
         "final_reward": statistics.fmean(r["reward/mean"] for r in rows[-window:]),
+        "greedy_val": result["vals"][-1]["val/reward/mean"] if result["vals"] else None,
     }
 
 
@@ -84,14 +98,27 @@ def main() -> None:
         default=[],
         help='another mode: "NAME=key=value key=value ..." (fully_async plus these)',
     )
+    parser.add_argument("--no-sync", action="store_true", help="leave out the sync mode")
+    parser.add_argument(
+        "--greedy-val",
+        action="store_true",
+        help="validate greedily on held-out prompts before training and at the end",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value for every mode")
     args = parser.parse_args()
-    modes = {"sync": ["async_training.mode=sync"], "fully_async": []}
+    modes = {} if args.no_sync else {"sync": ["async_training.mode=sync"]}
+    modes["fully_async"] = []
     for spec in args.mode:
         name, _, rest = spec.partition("=")
         modes[name] = rest.split()
     results: dict[str, list[dict]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
+        if args.greedy_val:
+            write_prompts(Path(tmp) / "val.jsonl", held_out_prompts(VAL_PROMPTS))
+            args.overrides += [
+                f"data.val={Path(tmp) / 'val.jsonl'}",
+                f"trainer.test_freq={args.steps}",
+            ]
         for i, seed in enumerate(args.seeds):
             names = list(modes) if i % 2 == 0 else list(modes)[::-1]  # alternate the order
             for name in names:
@@ -113,13 +140,14 @@ def main() -> None:
                     f"{out['startup_s']:.2f} s); {out['samples_per_s']:.0f} "
                     f"samples/s, idle trainer {out['trainer_idle']:.2f} rollout "
                     f"{out['rollout_idle']:.2f}, staleness {out['staleness']:.2f}, final reward "
-                    f"{out['final_reward']:.3f}",
+                    f"{out['final_reward']:.3f}, greedy validation {fmt(out['greedy_val'], '.3f')}",
                     flush=True,
                 )
+    base_mode = "sync" if "sync" in results else next(iter(results))  # the ratios' base
     print(f"{args.steps} steps, seeds {args.seeds}; medians (never: a seed did not reach it)")
     print("mode            launch s  sync s  start-up s  samples/s  idle tr/ro  staleness  "
-          "reward  ratio to sync (launch, sync)")  # fmt: skip
-    base = {k: median([r[k] for r in results["sync"]]) for k in ("from_launch_s", "from_sync_s")}
+          f"reward  ratio to {base_mode} (launch, sync)")  # fmt: skip
+    base = {k: median([r[k] for r in results[base_mode]]) for k in ("from_launch_s", "from_sync_s")}
     for name, rs in results.items():
         m = {k: median([r[k] for r in rs]) for k in rs[0]}
         ratios = [
@@ -138,13 +166,13 @@ def main() -> None:
     # are generation plus update, fully_async's at best the longer of the two (the trainer
     # is the bottleneck when its idle ratio is low), so its per-step ratio is above
     # update / (generation + update); stale samples show in the steps ratio.
-    print("mode            steps to reward  s per step  steps / sync's  s per step / sync's")
+    print(f"mode            steps to reward  s per step  steps / {base_mode}'s  s per step / ditto")
     per_step = {
         name: [r["from_sync_s"] / r["step"] if r["step"] else None for r in rs]
         for name, rs in results.items()
     }
-    base_steps = median([r["step"] for r in results["sync"]])
-    base_per_step = median(per_step["sync"])
+    base_steps = median([r["step"] for r in results[base_mode]])
+    base_per_step = median(per_step[base_mode])
     for name, rs in results.items():
         steps, seconds = median([r["step"] for r in rs]), median(per_step[name])
         steps_ratio = steps / base_steps if steps and base_steps else None
@@ -152,6 +180,22 @@ def main() -> None:
         print(
             f"{name:14s} {fmt(steps, '16.1f')}  {fmt(seconds, '10.4f')}  "
             f"{fmt(steps_ratio, '13.2f')}x  {fmt(step_ratio, '18.2f')}x"
+        )
+
+    print(f"learning over {len(args.seeds)} seeds: reached {args.target} (rolling {args.window}), "
+          f"the step it did (median, range), final reward (last {args.window} steps: mean +- sd, "
+          "worst), greedy validation at the end (mean, worst)")  # fmt: skip
+    for name, rs in results.items():
+        steps = [r["step"] for r in rs if r["step"] is not None]
+        finals = [r["final_reward"] for r in rs]
+        vals = [r["greedy_val"] for r in rs if r["greedy_val"] is not None]
+        spread = statistics.stdev(finals) if len(finals) > 1 else 0.0
+        reached = f"{len(steps)}/{len(rs)}"
+        at = f"{statistics.median(steps):.0f} ({min(steps)}-{max(steps)})" if steps else "never"
+        greedy = f"{statistics.fmean(vals):.3f} {min(vals):.3f}" if vals else "-"
+        print(
+            f"{name:14s} {reached:>5s}  {at:>15s}  {statistics.fmean(finals):.3f} +- {spread:.3f}"
+            f" {min(finals):.3f}  {greedy}"
         )
 
 

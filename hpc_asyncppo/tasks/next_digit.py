@@ -15,6 +15,7 @@ how a held-out ``data.val`` set is given (``write_prompts`` writes one).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections.abc import Sequence
@@ -58,6 +59,23 @@ def write_prompts(path: Path, prompts: list[Prompt]) -> None:
         for p in prompts
     ]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def held_out_prompts(count: int, num_train: int | None = None) -> list[Prompt]:
+    """``count`` prompts of the task that are not among its default training prompts (the
+    first ``num_train``, default ``data.num_prompts``), for a held-out ``data.val``: data
+    source "short" (2-3 digits) or "long" (4-5 digits). The same set every time: the
+    learning tests and ``scripts/bench_time_to_reward.py`` judge on it."""
+    if num_train is None:
+        num_train = DataConfig().num_prompts
+    train = {p.text for p in generate_prompts(num_train)}
+    held = [p for p in generate_prompts(4 * count, seed=99) if p.text not in train][:count]
+    if len(held) < count:
+        raise ValueError(f"only {len(held)} held-out prompts, {count} asked for")
+    return [
+        dataclasses.replace(p, index=i, data_source="short" if len(p.text.split()) <= 4 else "long")
+        for i, p in enumerate(held)
+    ]
 
 
 class NextDigitTask:

@@ -6,21 +6,15 @@ and no validation sample reaches the training queue or its audit."""
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from hpc_asyncppo.config import DataConfig
 from hpc_asyncppo.runlog import read_jsonl, split_metrics
-from hpc_asyncppo.tasks.next_digit import (
-    LEARNED_REWARD_FLOOR,
-    UNTRAINED_REWARD_MAX,
-    generate_prompts,
-    write_prompts,
-)
+from hpc_asyncppo.tasks import next_digit
+from hpc_asyncppo.tasks.next_digit import LEARNED_REWARD_FLOOR, UNTRAINED_REWARD_MAX, write_prompts
 from tests.conftest import REPO
 from tests.integration.test_local_runs import check_audit, submit
 
@@ -31,15 +25,8 @@ SYNC_EVERY = 4
 
 
 def held_out_prompts(path: Path) -> dict[str, int]:
-    """VAL_PROMPTS prompts of the default task not among its training prompts, as JSONL:
-    "short" (2-3 digits) and "long" (4-5 digits) data sources. Returns the count of each."""
-    train = {p.text for p in generate_prompts(DataConfig().num_prompts)}
-    held = [p for p in generate_prompts(4 * VAL_PROMPTS, seed=99) if p.text not in train]
-    held = [
-        dataclasses.replace(p, index=i, data_source="short" if len(p.text.split()) <= 4 else "long")
-        for i, p in enumerate(held[:VAL_PROMPTS])
-    ]
-    assert len(held) == VAL_PROMPTS
+    """VAL_PROMPTS held-out prompts of the default task, as JSONL; the count per source."""
+    held = next_digit.held_out_prompts(VAL_PROMPTS)
     write_prompts(path, held)
     return {s: sum(p.data_source == s for p in held) for s in ("short", "long")}
 
