@@ -19,8 +19,11 @@ bash scripts/install.sh --with-vllm  # CI runs the vLLM tests on its CPU build
 $PYTHON -m ruff check .
 $PYTHON -m ruff format --check .
 set +e
-# the slowest tests are listed at the end (the suite should stay under 20 minutes)
-$PYTHON -m pytest --durations=25 "$@"
+# Two workers, each test module (and the Slurm tests together) on one of them: the runs
+# leave a core idle while ranks start, wait on timeouts or sleep in Slurm's polls (see
+# pytest_collection_modifyitems in tests/conftest.py). The slowest tests are listed at the
+# end (the suite should stay under 20 minutes).
+$PYTHON -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup --durations=25 "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then

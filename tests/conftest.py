@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -34,8 +35,10 @@ SMALL = ["actor.ppo_mini_batch_size=4", "data.num_prompts=64", "timeouts.sample_
 
 def vllm_environment(root: Path) -> dict[str, str]:
     """The environment a vLLM test sets: offline, no torch.compile (20 s for vLLM's log-prob
-    helper), a 1 GiB KV cache, and every cache and temp file under ``root`` (made here)."""
-    (root / "tmp").mkdir(parents=True, exist_ok=True)
+    helper), a 1 GiB KV cache, its caches under ``root`` and its temp files in a new folder
+    of /tmp: vLLM's IPC sockets live in TMPDIR, and a socket's path has at most 107
+    characters (pytest's tmp_path under a pytest-xdist worker is already 80)."""
+    root.mkdir(parents=True, exist_ok=True)
     return {
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -43,7 +46,7 @@ def vllm_environment(root: Path) -> dict[str, str]:
         "TORCH_COMPILE_DISABLE": "1",
         "VLLM_CACHE_ROOT": str(root / "vllm_cache"),
         "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
-        "TMPDIR": str(root / "tmp"),
+        "TMPDIR": tempfile.mkdtemp(prefix="vllm-", dir="/tmp"),
     }
 
 
@@ -153,3 +156,30 @@ def trainer_log_probs(
 def log_probs_of() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``trainer_log_probs`` above, for test modules (which cannot import each other)."""
     return trainer_log_probs
+
+
+def xdist_group(item: pytest.Item) -> str | None:
+    """The worker group of a test under pytest-xdist: the Slurm tests share one cluster, the
+    vLLM tests (an engine of a few GB each) run one at a time, a module with module
+    fixtures (a trained run, an engine) runs whole on one worker so they are built once;
+    any other test goes wherever a worker is free (None)."""
+    if item.get_closest_marker("slurm"):
+        return "slurm"
+    if "vllm" in item.module.__name__:
+        return "vllm"
+    fixtures = getattr(item, "_fixtureinfo", None)
+    if fixtures is not None and any(
+        d.scope in ("module", "class") for defs in fixtures.name2fixturedefs.values() for d in defs
+    ):
+        return item.module.__name__
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``scripts/test.sh`` runs two pytest-xdist workers with ``--dist loadgroup``: the runs
+    leave a core idle while ranks start, wait on timeouts or poll Slurm."""
+    for item in items:
+        group = xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
