@@ -57,20 +57,23 @@ def interrupt_after(run_dir: Path, args: list[str], steps_seen: int) -> int:
     return proc.returncode
 
 
-def test_fully_async_run_interrupted_twice_trains_every_sample_exactly_once(tmp_path):
+def test_a_run_stopped_twice_and_resumed_on_other_rank_counts_trains_every_sample_once(tmp_path):
+    """Fully async with periodic checkpoints between the stops: 2 rollout x 2 trainer ranks,
+    stopped by SIGTERM; resumed on 1 x 1, stopped again; finished on 3 x 1. The data order
+    is the leader's: every prompt of the epoch's order is generated once, in order, whatever
+    the ranks; every sample is trained exactly once, none lost; each stop checkpointed at
+    once and the goodput record adds up over the three attempts."""
     run_dir = tmp_path / "run"
-    steps, ranks = 40, 2
+    steps = 40
     args = [*SMALL, f"trainer.total_steps={steps}", "checkpoint.save_every=7",
             "async_training.staleness_threshold=0.5", "data.reward_fn=tests.integration.faults:slow"]  # fmt: skip
-    assert (
-        interrupt_after(
-            run_dir, ["--run-dir", str(run_dir), "--rollout-ranks", str(ranks), *args], 9
-        )
-        == 143
-    )
+    first = ["--run-dir", str(run_dir), "--rollout-ranks", "2", "--train-ranks", "2", *args]
+    assert interrupt_after(run_dir, first, 9) == 143
     assert (run_dir / "preempted").exists()
-    assert interrupt_after(run_dir, ["--resume", str(run_dir)], 24) == 143
-    done = submit_local("--resume", str(run_dir))
+    resumed = ["--resume", str(run_dir), "--rollout-ranks", "1", "--train-ranks", "1"]
+    assert interrupt_after(run_dir, resumed, 24) == 143
+    assert json.loads((run_dir / "launch.json").read_text())["rollout_ranks"] == 1
+    done = submit_local("--resume", str(run_dir), "--rollout-ranks", "3")
     assert done.returncode == 0, done.stderr
     assert not (run_dir / "preempted").exists()
 
@@ -82,12 +85,15 @@ def test_fully_async_run_interrupted_twice_trains_every_sample_exactly_once(tmp_
     trained_uids = [r["uid"] for r in trained]
     assert len(trained_uids) == len(set(trained_uids)) == steps * 32, "a sample trained twice"
     assert not set(trained_uids) & {r["uid"] for r in dropped}
+    assert {r["rollout_rank"] for r in trained} == {0, 1, 2}  # all three layouts trained
     assert all(r["reason"] in ("stale", "run_ended") for r in dropped)
     # Nothing lost: the groups of all ranks are exactly a prefix of the run's data order,
     # with all n responses of every group accounted for.
     responses = prompts_generated(trained + dropped)
     assert set(responses.values()) == {8}
     assert set(responses) == order_prefix(seed=1, num_prompts=64, count=len(responses))
+    # 40 steps x 4 groups from 64 prompts: past the first epoch, each prompt once in each
+    assert sorted(p for (e, p) in responses if e == 0) == list(range(64))
     # goodput: three attempts whose times add up to the run's; each stop checkpointed at once
     attempts = read_jsonl(run_dir / "goodput.jsonl")
     assert [a["attempt"] for a in attempts] == [0, 1, 2]
@@ -97,38 +103,6 @@ def test_fully_async_run_interrupted_twice_trains_every_sample_exactly_once(tmp_
     assert [a["resumed_step"] for a in attempts[1:]] == [a["end_step"] for a in attempts[:2]]
     assert all(a["lost_s"] < 10 for a in attempts)  # only the shutdown after the checkpoint
     assert all(0 <= a["stop_latency_s"] < 30 for a in attempts[:2])
-
-
-def test_a_run_resumes_on_other_rank_counts_with_the_same_data_order(tmp_path):
-    """2 rollout x 2 trainer ranks, stopped; resumed on 1 x 1, stopped; finished on 3 x 1.
-    The data order is the leader's: every prompt of the epoch's order is generated once, in
-    order, whatever the ranks; every sample is trained at most once, none lost."""
-    run_dir = tmp_path / "run"
-    steps = 24
-    args = [*SMALL, f"trainer.total_steps={steps}", "checkpoint.save_every=0",
-            "data.reward_fn=tests.integration.faults:slow"]  # fmt: skip
-    first = ["--run-dir", str(run_dir), "--rollout-ranks", "2", "--train-ranks", "2", *args]
-    assert interrupt_after(run_dir, first, 5) == 143
-    resumed = ["--resume", str(run_dir), "--rollout-ranks", "1", "--train-ranks", "1"]
-    assert interrupt_after(run_dir, resumed, 12) == 143
-    assert json.loads((run_dir / "launch.json").read_text())["rollout_ranks"] == 1
-    done = submit_local("--resume", str(run_dir), "--rollout-ranks", "3")
-    assert done.returncode == 0, done.stderr
-
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
-    trained = read_jsonl(run_dir / "trained_samples.jsonl")
-    dropped = read_jsonl(run_dir / "dropped_samples.jsonl")
-    uids = [r["uid"] for r in trained]
-    assert len(uids) == len(set(uids)) == steps * 32, "a sample trained twice or lost"
-    assert {r["rollout_rank"] for r in trained} == {0, 1, 2}  # all three layouts trained
-    assert all(r["reason"] in ("stale", "run_ended") for r in dropped)
-    responses = prompts_generated(trained + dropped)
-    assert set(responses.values()) == {8}
-    # 24 steps x 4 groups from 64 prompts: past the first epoch, each prompt once in each
-    assert set(responses) == order_prefix(seed=1, num_prompts=64, count=len(responses))
-    epoch0 = [p for (e, p) in responses if e == 0]
-    assert sorted(epoch0) == list(range(64))
 
 
 def test_a_corrupt_or_missing_part_is_named_and_its_checkpoint_skipped(tmp_path):
