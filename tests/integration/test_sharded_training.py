@@ -46,15 +46,12 @@ def test_bf16_at_a_small_learning_rate_still_moves_the_weights(tmp_path):
     assert changed / total >= 0.5, f"only {changed}/{total} matrix weights changed"
 
 
-def test_sync_runs_end_equal_whatever_the_split(tmp_path):
-    """Same seed, sync mode, 12 steps: 1 trainer rank, 2 ranks with micro-batches of 4, and 2
-    ranks with token-budget micro-batches end with the same weights."""
-    common = [
-        *SMALL,
-        "async_training.mode=sync",
-        "trainer.total_steps=12",
-        "checkpoint.save_every=0",
-    ]
+def test_sync_runs_end_equal_whatever_the_split_and_resume_exactly_onto_any_count(tmp_path):
+    """Same seed, sync mode, 8 steps: 1 trainer rank, 2 ranks with micro-batches of 4, and 2
+    ranks with token-budget micro-batches end with the same weights. The exact-resume test,
+    on the same runs: the 2-rank run stopped after 4 steps and resumed ends bitwise equal
+    to the uninterrupted one; the same checkpoint resumed on 1 trainer rank goes on equally."""
+    common = [*SMALL, "async_training.mode=sync", "checkpoint.save_every=0"]
     splits = {
         "one": ["--train-ranks", "1"],
         "two_micro4": ["--train-ranks", "2", "actor.ppo_micro_batch_size_per_gpu=4"],
@@ -67,9 +64,8 @@ def test_sync_runs_end_equal_whatever_the_split(tmp_path):
     }
     weights = {}
     for name, flags in splits.items():
-        ranks, overrides = flags[:2], flags[2:]
-        submit(tmp_path / name, *ranks, *common, *overrides)
-        weights[name] = final_weights(tmp_path / name, 12)
+        submit(tmp_path / name, *flags, *common, "trainer.total_steps=8")
+        weights[name] = final_weights(tmp_path / name, 8)
     rewards = {
         n: [m["reward/mean"] for m in read_jsonl(tmp_path / n / "metrics.jsonl")] for n in splits
     }
@@ -77,17 +73,11 @@ def test_sync_runs_end_equal_whatever_the_split(tmp_path):
     for name in ("two_micro4", "two_dynamic"):
         assert relative_difference(weights["one"], weights[name]) <= 1e-4, name
 
-
-def test_two_trainer_ranks_resume_exactly_and_onto_another_count(tmp_path):
-    """The exact-resume test: a sync run resumed halfway ends with bitwise-equal weights
-    (2 trainer ranks); the same checkpoint resumed on 1 trainer rank goes on equally."""
-    common = ["--train-ranks", "2", *SMALL, "async_training.mode=sync", "checkpoint.save_every=0"]
-    whole, half, moved = tmp_path / "whole", tmp_path / "half", tmp_path / "moved"
-    submit(whole, *common, "trainer.total_steps=8")
-    submit(half, *common, "trainer.total_steps=4")
+    whole, half, moved = tmp_path / "two_micro4", tmp_path / "half", tmp_path / "moved"
+    submit(half, *splits["two_micro4"], *common, "trainer.total_steps=4")
     shutil.copytree(half, moved)  # the same first half, to resume on another rank count
     submit(None, "--resume", str(half), "trainer.total_steps=8")
-    a, b = final_weights(whole, 8), final_weights(half, 8)
+    a, b = weights["two_micro4"], final_weights(half, 8)
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs after resume on 2 ranks"
