@@ -63,6 +63,12 @@ def test_default_task_learns_with_vllm(tmp_path):
     assert all(r["param_version_end"] == r["param_version_start"] for r in trained)
 
 
+def digests(run_dir: Path, rank: int, skip: int = 0) -> dict[int, str]:
+    """Version -> weights digest that rank recorded at each sync, past its first ``skip``."""
+    rows = read_jsonl(run_dir / "weights" / f"rank{rank}.jsonl")[skip:]
+    return {r["version"]: r["digest"] for r in rows}
+
+
 def _descendants(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
@@ -113,10 +119,11 @@ def test_partial_rollout_in_flight_updates_and_stop_signals(tmp_path):
     1. As under Slurm, the stop signal reaches every process of the job, vLLM's engine
        processes included: they ignore USR2 and SIGTERM; the rollout ranks cut their
        groups mid-response into the checkpoint and shut vLLM down themselves.
-    2. Resumed, the run finishes: the cut groups continued from their tokens, groups cut
-       by syncs finished under newer weights (versions that changed mid-response), and
-       every sample was trained once with its true staleness, and every worker loaded
-       exactly the trainer's weights at every version (worker-side digests).
+    2. Resumed on one rollout rank at tensor_parallel_size=1 (and one trainer rank), the run
+       finishes: the cut groups of both ranks continued from their tokens, groups cut by
+       syncs finished under newer weights (versions that changed mid-response), every
+       sample was trained once with its true staleness, and in both attempts every worker
+       loaded exactly the trainer's weights at every version (worker-side digests).
 
     A vLLM engine process that dies under a rank: tests/rollout/test_vllm_engine.py."""
     run_dir = tmp_path / "run"
@@ -129,6 +136,14 @@ def test_partial_rollout_in_flight_updates_and_stop_signals(tmp_path):
         run_dir, "--run-dir", str(run_dir), "--rollout-ranks", "2", "--train-ranks", "2", *args
     )
     wait_for_steps(proc, run_dir, 2)
+    # Stop the job just after a sync: the rollout ranks then have new credit and are mid-
+    # response (between syncs they can be waiting for credit, with nothing to cut).
+    synced = len(read_jsonl(run_dir / "weights" / "rank0.jsonl"))
+    deadline = time.monotonic() + 120
+    while len(read_jsonl(run_dir / "weights" / "rank0.jsonl")) == synced:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    time.sleep(0.5)
     for rank in (0, 1):
         for pid in vllm_processes(run_dir, rank):
             assert {signal.SIGUSR2, signal.SIGTERM} <= ignored_signals(pid), pid
@@ -145,8 +160,14 @@ def test_partial_rollout_in_flight_updates_and_stop_signals(tmp_path):
             cut += reader.get("partial") or []
     assert any(0 < int(g["response_lengths"].max()) < 96 for g in cut), cut
 
+    # the first attempt: both ranks hold the leader's (rank 2's) weights at every version,
+    # each rank's once all its workers agree (a rank that sees two digests fails)
+    first = [digests(run_dir, rank) for rank in (0, 1, 2)]
+    assert first[0] == first[1] == first[2] and len(first[2]) >= 2, first
+    lines = [len(read_jsonl(run_dir / "weights" / f"rank{rank}.jsonl")) for rank in (0, 1)]
     done = subprocess.run(
-        [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", "--resume", str(run_dir)],
+        [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", "--resume", str(run_dir),
+         "--rollout-ranks", "1", "--train-ranks", "1", "rollout.tensor_parallel_size=1"],
         cwd=REPO, capture_output=True, text=True, timeout=420,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
@@ -155,10 +176,9 @@ def test_partial_rollout_in_flight_updates_and_stop_signals(tmp_path):
     assert len(uids) == len(set(uids)) == steps * 4 * 8
     spanning = [r for r in trained if r["param_version_end"] > r["param_version_start"]]
     assert spanning, "no group was cut by a sync and continued under newer weights"
-    # every version reached all four vLLM workers (each rank records its workers' digest
-    # once they agree) with exactly the trainer leader's weights, over both attempts
-    leader = {r["version"]: r["digest"] for r in read_jsonl(run_dir / "weights" / "rank2.jsonl")}
-    assert len(leader) > steps
-    for rank in (0, 1):
-        mine = read_jsonl(run_dir / "weights" / f"rank{rank}.jsonl")
-        assert {r["version"]: r["digest"] for r in mine} == leader, rank
+    # the resumed attempt: its leader is rank 1, which appends to the file rank 1 wrote as a
+    # rollout rank; rollout rank 0 again holds the leader's weights at every version
+    second = digests(run_dir, 1, skip=lines[1])
+    assert digests(run_dir, 0, skip=lines[0]) == second and second, second
+    assert sorted({**first[2], **second}) == list(range(max(second) + 1))
+    assert len(first[2]) + len(second) > steps
