@@ -188,8 +188,14 @@ def test_scancel_ends_the_job_cleanly(shared_dir: Path) -> None:
 def test_a_failing_rank_ends_the_whole_job(shared_dir: Path) -> None:
     run_dir = shared_dir / "run"
     proc = subprocess.run(
+        # srun can hang after the step (Slurm 22.05): the step wrapper ends it, here after
+        # 5 s, not the default 60 s (the error line below comes from the rank's own record)
         submit(
-            run_dir, "--wait", LONG_RUN, "data.reward_fn=tests.launch.faulty_reward:fail_on_rank1"
+            run_dir,
+            "--wait",
+            LONG_RUN,
+            "timeouts.step_exit_s=5",
+            "data.reward_fn=tests.launch.faulty_reward:fail_on_rank1",
         ),
         cwd=REPO,
         capture_output=True,
