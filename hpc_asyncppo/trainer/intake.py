@@ -125,16 +125,14 @@ class Intake:
         return len(self.queue)
 
     # --- the rollout ranks' side --------------------------------------------------------
-    def receive(self) -> int:
-        """Take every group that has arrived into the queue; how many came."""
-        arrived = self.link.poll()
-        for buf in arrived:
+    def receive(self) -> None:
+        """Take every group that has arrived into the queue."""
+        for buf in self.link.poll():
             group = decode_group(buf)
             self.credits.received(group.rollout_rank)
             self.queue.push(buf)
             if self.on_group is not None:
                 self.on_group(group)
-        return len(arrived)
 
     def grant(self) -> None:
         """New credits, each with the next prompt of the data order."""

@@ -16,7 +16,7 @@ from hpc_asyncppo.trainer.intake import Intake
 from hpc_asyncppo.trainer.prompts import PromptOrder
 from hpc_asyncppo.trainer.queue import SpillQueue
 from hpc_asyncppo.transport.arrays import pack_arrays
-from hpc_asyncppo.transport.samples import Control, SampleGroup, encode_group
+from hpc_asyncppo.transport.samples import Control, SampleGroup, decode_group, encode_group
 from hpc_asyncppo.transport.waits import PeerTimeout
 
 PROMPTS = 50
@@ -117,7 +117,7 @@ def check_accounting(intake: Intake, link: FakeRollout) -> None:
     assert credits.used <= credits.max_outstanding
 
 
-def draws(intake: Intake, link: FakeRollout, groups: list[SampleGroup]) -> list[int]:
+def draws(link: FakeRollout, groups: list[SampleGroup]) -> list[int]:
     return [link.draw_of[g.uid(0)] for g in groups]
 
 
@@ -137,7 +137,7 @@ def test_a_batch_is_the_oldest_groups_and_each_credit_carries_the_next_prompt(tm
     check_accounting(intake, link)
     batch = take(intake, link)
     assert [g.rollout_rank for g in batch.groups] == [0, 0]  # received in order
-    assert draws(intake, link, batch.groups) == first_draws(2)
+    assert draws(link, batch.groups) == first_draws(2)
     assert batch.dropped == [] and intake.groups_trained == 2
     assert len(intake) == 1  # the third, received while waiting
     check_accounting(intake, link)
@@ -178,7 +178,7 @@ def test_stale_groups_are_dropped_and_refilled_at_the_new_version(tmp_path):
     assert [reason for _, reason in batch.dropped] == ["stale"] * 3
     assert [g.param_version_start for g in batch.groups] == [2, 2]
     # the dropped prompts are not handed out again; their refills take the next ones
-    assert draws(intake, link, batch.groups) == first_draws(5)[3:5]
+    assert draws(link, batch.groups) == first_draws(5)[3:5]
     assert intake.groups_trained == 2
     check_accounting(intake, link)
 
@@ -223,11 +223,11 @@ def test_a_stop_while_taking_puts_every_taken_group_back_in_order(tmp_path):
     intake.grant()
     link.generate()
     intake.receive()
-    before = [g.uid(0) for g in map(_decode, intake.queue.snapshot())]
+    before = [g.uid(0) for g in map(decode_group, intake.queue.snapshot())]
     link.version = 1  # the first groups are stale at version 1, the next ones would be fresh
     calls = iter([None, "SIGUSR1"])  # the stop arrives after one round of taking
     assert intake.take(1, lambda: next(calls, "SIGUSR1"), 5, 1, tick=link.generate) is None
-    after = [g.uid(0) for g in map(_decode, intake.queue.snapshot())]
+    after = [g.uid(0) for g in map(decode_group, intake.queue.snapshot())]
     assert after[: len(before)] == before  # the dropped ones too, to be judged again
     assert intake.groups_trained == 0
     check_accounting(intake, link)
@@ -268,12 +268,12 @@ def test_a_checkpoint_restores_onto_one_rollout_rank_with_nothing_lost(tmp_path)
     assert [who for who, _ in reports] == ["rollout rank 0", "rollout rank 1", "rollout rank 2"]
     assert intake.credits.in_flight == [0, 1, 0]
     state = intake.state_dict()
-    queued = [_decode(b).uid(0) for b in state["queue"]]
+    queued = [decode_group(b).uid(0) for b in state["queue"]]
 
     restored, link2 = make_intake(tmp_path, 1, "async_training.staleness_threshold=3", name="r")
     restored.load_state_dict(state, intake.groups_trained)
     assert restored.groups_trained == intake.groups_trained == len(batch.groups)
-    assert [_decode(b).uid(0) for b in restored.queue.snapshot()] == queued
+    assert [decode_group(b).uid(0) for b in restored.queue.snapshot()] == queued
     assert restored.partial_groups == [1]  # old rank 1 continues on rank 1 mod 1 = 0
     assert restored.credits.in_flight == [1] and restored.credits.queued == len(queued)
     # the unused credits' prompts go out first, in the data order: none skipped or repeated
@@ -283,9 +283,3 @@ def test_a_checkpoint_restores_onto_one_rollout_rank_with_nothing_lost(tmp_path)
     assert link2.granted[: len(unused)] == unused
     handed_out = set(link.granted) - set(unused)
     assert not handed_out & set(link2.granted)
-
-
-def _decode(buf):
-    from hpc_asyncppo.transport.samples import decode_group
-
-    return decode_group(buf)
