@@ -247,6 +247,7 @@ def test_a_rank_that_never_exits_after_finishing_does_not_hold_the_job(shared_di
         submit(
             run_dir,
             "--wait",
+            "trainer.total_steps=10",
             "timeouts.step_exit_s=5",
             "data.reward_fn=tests.launch.faulty_reward:linger_on_rank1",
         ),
