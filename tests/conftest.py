@@ -175,11 +175,19 @@ def xdist_group(item: pytest.Item) -> str | None:
     return None
 
 
+# The two longest groups (about 8 minutes each on two cores), started first, one per worker,
+# while the short tests fill in around them
+LONG_GROUPS = ("vllm", "slurm")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """``scripts/test.sh`` runs two pytest-xdist workers with ``--dist loadgroup``: the runs
     leave a core idle while ranks start, wait on timeouts or poll Slurm."""
+    groups = {}
     for item in items:
-        group = xdist_group(item)
+        groups[item.nodeid] = group = xdist_group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+    order = {name: i for i, name in enumerate(LONG_GROUPS)}
+    items.sort(key=lambda item: order.get(groups[item.nodeid], len(order)))
