@@ -139,7 +139,9 @@ def test_partial_rollout_in_flight_updates_and_stop_signals(tmp_path):
 
     A vLLM engine process that dies under a rank: tests/rollout/test_vllm_engine.py."""
     run_dir = tmp_path / "run"
-    steps = 6
+    # the stop comes after step 3 or so, but a starved test process (ten busy processes on
+    # two cores, under two xdist workers) has been seen to send it 7 s late: steps to spare
+    steps = 12
     args = [*VLLM, "rollout.tensor_parallel_size=2", "async_training.partial_rollout=true",
             "async_training.trigger_parameter_sync_step=1", "actor.ppo_mini_batch_size=4",
             "rollout.response_length=96", "rollout.ignore_eos=true",
