@@ -119,7 +119,7 @@ def test_value_head_reference_entropy_epochs_and_mini_batches_in_bf16_on_two_ran
 
 def test_importance_weights_token_budget_checkpointing_and_lr_schedule(tmp_path):
     run_dir = tmp_path / "run"
-    submit(run_dir, "--train-ranks", "2", *SMALL, "algorithm.rollout_is=token",
+    submit(run_dir, "--train-ranks", "2", *SMALL, "actor.lr=1e-3", "algorithm.rollout_is=token",
            "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=40",
            "actor.gradient_checkpointing=true", "actor.lr_scheduler=cosine",
            "actor.lr_warmup_steps=2", "actor.min_lr_ratio=0.1", "trainer.total_steps=6")  # fmt: skip
