@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from hpc_asyncppo.transport.weight_group import WeightGroupSpec, group_size
+from hpc_asyncppo.transport.weight_group import WeightGroupSpec, group_size, serve_store
 
 ROLLOUT, TRAINER = "rollout", "trainer"
 
@@ -46,6 +46,7 @@ class Topology:
     inter: MPI.Intercomm  # rollout side <-> trainer side
     trainer_group: dist.ProcessGroup | None  # gradient all-reduce (trainer ranks only)
     weights: WeightGroupSpec  # where the weight group meets (leader = its rank 0)
+    weights_store: dist.TCPStore | None  # the leader's, already serving (serve_store)
     workers_per_rank: int  # weight-group members per rollout rank (vLLM: its TP workers)
     device: torch.device
 
@@ -127,8 +128,11 @@ def build_topology(rollout_ranks: int, timeout_s: float, workers_per_rank: int =
 
     leader = rollout_ranks
     here = _rendezvous_host()
+    weights_size = group_size(rollout_ranks, workers_per_rank)
+    # the leader's weight-group store is bound now and kept (serve_store says why)
+    store = serve_store(here, weights_size, timeout_s) if rank == leader else None
     address, weights_port = bcast_text(
-        world, f"{here}:{_free_port()} {_free_port()}" if rank == leader else "", root=leader
+        world, f"{here}:{_free_port()} {store.port}" if store is not None else "", root=leader
     ).split()
     device = _pick_device()
     # A CPU tensor on the default group goes through gloo, a CUDA tensor through NCCL.
@@ -156,7 +160,7 @@ def build_topology(rollout_ranks: int, timeout_s: float, workers_per_rank: int =
     weights = WeightGroupSpec(
         host=address.rsplit(":", 1)[0],
         port=int(weights_port),
-        world_size=group_size(rollout_ranks, workers_per_rank),
+        world_size=weights_size,
         backend=weights_backend,
         timeout_s=timeout_s,
     )
@@ -171,6 +175,7 @@ def build_topology(rollout_ranks: int, timeout_s: float, workers_per_rank: int =
         inter=inter,
         trainer_group=trainer_group if role == TRAINER else None,
         weights=weights,
+        weights_store=store,
         workers_per_rank=workers_per_rank,
         device=device,
     )

@@ -76,7 +76,8 @@ class TrainerLeader:
         # The weight group meets once every member has joined (vLLM workers once their
         # engine has started): the leader joins on a side thread and waits at its first sync.
         self.joining = Background(
-            lambda: open_weight_group(topo.weights, 0), "the weight group's rendezvous"
+            lambda: open_weight_group(topo.weights, 0, topo.weights_store),
+            "the weight group's rendezvous",
         )
         self.broadcaster: WeightBroadcaster | None = None
         self.followers = Followers(topo.local, cfg.timeouts.rank_wait_s)

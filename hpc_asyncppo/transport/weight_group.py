@@ -79,18 +79,37 @@ class WeightGroup:
         return self.group.broadcast(tensor, src)
 
 
-def open_weight_group(spec: WeightGroupSpec, rank: int) -> WeightGroup:
-    """Join the weight group as ``rank`` (0: the leader, which serves the store). Blocks
-    until every member has joined, at most ``spec.timeout_s``."""
-    timeout = timedelta(seconds=spec.timeout_s)
-    store = dist.TCPStore(
-        spec.host,
-        spec.port,
-        spec.world_size,
-        is_master=rank == 0,
-        timeout=timeout,
+def serve_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The leader's store of the weight group, on a port the system picks (``.port``), bound
+    at once and held until the group opens: a port only chosen early and bound when the
+    group opens (after the policy or vLLM has started, seconds later) can be taken by then
+    (seen: EADDRINUSE with two test workers' jobs on one host)."""
+    return dist.TCPStore(
+        host,
+        0,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
+
+
+def open_weight_group(
+    spec: WeightGroupSpec, rank: int, store: dist.TCPStore | None = None
+) -> WeightGroup:
+    """Join the weight group as ``rank`` (0: the leader, which serves the store: ``store``,
+    from ``serve_store``, or one made here on ``spec.port``). Blocks until every member has
+    joined, at most ``spec.timeout_s``."""
+    timeout = timedelta(seconds=spec.timeout_s)
+    if store is None:
+        store = dist.TCPStore(
+            spec.host,
+            spec.port,
+            spec.world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
     prefixed = dist.PrefixStore(_STORE_PREFIX, store)
     group = dist.ProcessGroup(prefixed, rank, spec.world_size)
     if spec.backend == "nccl":
