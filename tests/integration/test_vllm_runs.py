@@ -139,25 +139,24 @@ def test_partial_rollout_in_flight_updates_and_stop_signals(tmp_path):
 
     A vLLM engine process that dies under a rank: tests/rollout/test_vllm_engine.py."""
     run_dir = tmp_path / "run"
-    # the stop comes after step 3 or so, but a starved test process (ten busy processes on
-    # two cores, under two xdist workers) has been seen to send it 7 s late: steps to spare
-    steps = 12
+    # The stop must find groups mid-response: a rank waiting for credit has nothing to cut.
+    # So the rollout is the bottleneck and never waits: a step's 8 samples train in a
+    # fraction of the ~100 decoding steps a response takes, each rank generates one group at
+    # a time (with ignore_eos, groups started together would end together and then all wait
+    # for the same sync) and the budget (staleness 2: 6 groups) leaves each rank credits in
+    # hand while it generates. The stop comes after step 2 or so, but a starved test process
+    # (ten busy processes on two cores, under two xdist workers) has been seen to send it
+    # 7 s late: steps to spare.
+    steps, groups, n = 12, 2, 4
     args = [*VLLM, "rollout.tensor_parallel_size=2", "async_training.partial_rollout=true",
-            "async_training.trigger_parameter_sync_step=1", "actor.ppo_mini_batch_size=4",
-            "rollout.response_length=96", "rollout.ignore_eos=true",
-            "async_training.staleness_threshold=1.0", f"trainer.total_steps={steps}"]  # fmt: skip
+            "async_training.trigger_parameter_sync_step=1", f"actor.ppo_mini_batch_size={groups}",
+            f"rollout.n={n}", "rollout.response_length=96", "rollout.ignore_eos=true",
+            "rollout.prompts_per_generate=1", "async_training.staleness_threshold=2.0",
+            f"trainer.total_steps={steps}"]  # fmt: skip
     proc = launch(
         run_dir, "--run-dir", str(run_dir), "--rollout-ranks", "2", "--train-ranks", "2", *args
     )
     wait_for_steps(proc, run_dir, 2)
-    # Stop the job just after a sync: the rollout ranks then have new credit and are mid-
-    # response (between syncs they can be waiting for credit, with nothing to cut).
-    synced = len(read_jsonl(run_dir / "weights" / "rank0.jsonl"))
-    deadline = time.monotonic() + 120
-    while len(read_jsonl(run_dir / "weights" / "rank0.jsonl")) == synced:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
-    time.sleep(0.5)
     pids = descendants_of(run_dir, 0) + descendants_of(run_dir, 1)
     engine = engine_processes(pids)
     assert len(engine) == 6, engine  # per rank: the engine core and its two workers
@@ -190,7 +189,7 @@ def test_partial_rollout_in_flight_updates_and_stop_signals(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     trained = check_audit(run_dir, sync_every=1, max_staleness=4, partial=True)
     uids = [r["uid"] for r in trained]
-    assert len(uids) == len(set(uids)) == steps * 4 * 8
+    assert len(uids) == len(set(uids)) == steps * groups * n
     spanning = [r for r in trained if r["param_version_end"] > r["param_version_start"]]
     assert spanning, "no group was cut by a sync and continued under newer weights"
     # the resumed attempt: its leader is rank 1, which appends to the file rank 1 wrote as a
