@@ -31,12 +31,13 @@ DIGITS = [str(d) for d in range(10)]
 # Whether the default job (this task, the default config, its 300 steps) learns, as the
 # tests, gpu_check and scripts/bench_time_to_reward.py judge it:
 UNTRAINED_REWARD_MAX = 0.2  # the first 10 steps' mean reward stays below (random: about 1/15)
-# Most runs pass it in about 250 steps: the benchmarks' target, and what a GPU run must reach.
+# The benchmarks' target for the rolling sampled reward (most runs pass it in about 220
+# steps), what a GPU run must reach, and what the default job's greedy validation on
+# held-out prompts must reach at its end: the learning tests' bar. With the defaults, 5
+# seeds of 5 ended at greedy validation 0.977-1.0 (BENCHMARKS.md, "Defaults over five
+# seeds, second round"). Greedy validation over 128 prompts, not the last steps' sampled
+# reward: one unlucky group moves the latter by a few hundredths.
 LEARNED_REWARD = 0.8
-# What a CPU test run's last 20 steps must reach: most runs end at 0.9-1.0, but now and then
-# one settles near 0.78 (the timing of an async run decides which weights sample which
-# groups). Ten times a random policy's score: it fails any run that does not learn.
-LEARNED_REWARD_FLOOR = 0.7
 
 
 def generate_prompts(count: int, seed: int = 1234) -> list[Prompt]:

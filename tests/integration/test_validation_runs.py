@@ -1,7 +1,7 @@
 """Validation in a real run under mpirun: the default job with a held-out ``data.val`` (two
 data sources) and ``trainer.test_freq=50`` validates the weights at steps 0, 50, ..., 300
 while it trains; the greedy validation reward rises from about 1/15 (random over the tiny
-vocabulary) to >= 0.7 (most runs 0.9 or more); the logs, TensorBoard, the progress lines and the report show it;
+vocabulary) to >= 0.8 (next_digit.LEARNED_REWARD; over 5 seeds the worst was 0.977); the logs, TensorBoard, the progress lines and the report show it;
 and no validation sample reaches the training queue or its audit."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from hpc_asyncppo.runlog import read_jsonl, split_metrics
 from hpc_asyncppo.tasks import next_digit
-from hpc_asyncppo.tasks.next_digit import LEARNED_REWARD_FLOOR, UNTRAINED_REWARD_MAX, write_prompts
+from hpc_asyncppo.tasks.next_digit import LEARNED_REWARD, UNTRAINED_REWARD_MAX, write_prompts
 from tests.conftest import REPO
 from tests.integration.test_local_runs import check_audit, submit
 
@@ -49,16 +49,18 @@ def validated_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 
 def test_the_default_job_learns(validated_run):
-    """The README's first command: the embedded default learns the synthetic task. (Its
-    run here also validates, which leaves training alone: see the test below; one run
-    serves both, to keep the suite short.)"""
+    """The README's first command: the embedded default learns the synthetic task, judged
+    by its greedy validation on held-out prompts at the end (the learning tests' one bar,
+    ``next_digit.LEARNED_REWARD``). (Its run here also validates, which leaves training
+    alone: see the tests below; one run serves them all, to keep the suite short.)"""
     run_dir, _ = validated_run
-    rewards = [m["reward/mean"] for m in split_metrics(read_jsonl(run_dir / "metrics.jsonl"))[0]]
+    steps, vals = split_metrics(read_jsonl(run_dir / "metrics.jsonl"))
+    rewards = [m["reward/mean"] for m in steps]
     assert len(rewards) == STEPS
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-20:]) / 20
+    first = sum(rewards[:10]) / 10
     assert first < UNTRAINED_REWARD_MAX, f"a random policy scores about 1/15, got {first}"
-    # Not LEARNED_REWARD: some runs settle near 0.78 (see LEARNED_REWARD_FLOOR).
-    assert last >= LEARNED_REWARD_FLOOR, f"mean reward of the last 20 steps {last}"
+    last = vals[-1]["val/reward/mean"]
+    assert vals[-1]["step"] == STEPS and last >= LEARNED_REWARD, f"greedy validation {last:.3f}"
     check_audit(run_dir, sync_every=SYNC_EVERY, max_staleness=4)
 
 
@@ -78,7 +80,7 @@ def test_validation_at_every_test_freq_steps_shows_the_learning(validated_run):
     assert first < UNTRAINED_REWARD_MAX, (
         f"the untrained policy scored {first:.3f} (random: about 1/15)"
     )
-    assert last >= LEARNED_REWARD_FLOOR, f"greedy validation reward {first:.3f} -> {last:.3f}"
+    assert last >= LEARNED_REWARD, f"greedy validation reward {first:.3f} -> {last:.3f}"
     assert vals[-1]["val/pass@1"] > vals[0]["val/pass@1"]
 
 
