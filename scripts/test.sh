@@ -16,6 +16,12 @@ case "$PWD/" in
     ;;
 esac
 bash scripts/install.sh --with-vllm  # CI runs the vLLM tests on its CPU build
+# verl's own code, for tests/trainer/test_verl_parity.py: the PyPI wheel, never installed
+# (its imports need Ray and more); the test loads the math modules from the zip
+verl_wheel=build/verl-reference/verl-0.7.1-py3-none-any.whl
+if [ ! -f "$verl_wheel" ]; then
+  $PYTHON -m pip download -q --no-deps "verl==0.7.1" -d build/verl-reference
+fi
 $PYTHON -m ruff check .
 $PYTHON -m ruff format --check .
 set +e
