@@ -102,8 +102,12 @@ def save_checkpoint(path: str | Path, tree: dict, meta: dict) -> int:
             writer.write(tree, meta_bytes)
         fsync_file(tmp)
         os.replace(tmp, path)
-    except BaseException:  # also KeyboardInterrupt / SystemExit from a signal handler
+    except BaseException as exc:  # also KeyboardInterrupt / SystemExit from a signal handler
         tmp.unlink(missing_ok=True)
+        if type(exc) is RuntimeError:
+            # h5py reports some failed writes as RuntimeError, not OSError: a full disk
+            # (errno 28) found when the file's metadata is flushed at close
+            raise CheckpointError(f"writing {path} failed: {' '.join(str(exc).split())}") from exc
         raise
     fsync_dir(path.parent)
     return file_checksum(writer.crcs)
