@@ -183,6 +183,8 @@ def reinforce_pp_baseline_advantages(scores: torch.Tensor, lengths: torch.Tensor
     Returns:
         (G, n) advantages, detached, float64. Needs at least 2 tokens in the batch. A
         group of one response has baseline 0, as in verl.
+
+    Differs from verl as `whiten_with`: mu and var divide by N, verl's by N + 1e-8.
     """
     scores, weights = scores.double(), lengths.double()
     baseline = scores.mean(dim=-1, keepdim=True) if scores.shape[-1] > 1 else 0.0
@@ -310,6 +312,9 @@ def whiten_with(values: torch.Tensor, moments: torch.Tensor) -> torch.Tensor:
 
     Returns:
         (values - mean) / sqrt(unbiased var + 1e-8), same shape as `values`.
+
+    Differs from verl: the mean and variance divide by the count, verl's `masked_whiten`
+    (`masked_mean`) by the count + 1e-8: a relative difference of about 1e-8 / count.
     """
     count, total, squares = moments.tolist()
     if count < 2:
@@ -338,6 +343,7 @@ def agg_loss(
             (Dr.GRPO's MAX_TOKENS). Before, this project also divided by the number of
             responses (Dr.GRPO's 1/G), a loss that many times smaller than verl's.
     In the seq-mean modes a response with no masked-in token is left out of the mean.
+    Differs from verl: a batch with no masked-in token gives 0, verl's NaN (0 / 0).
 
     Args:
         loss_mat: (B, L) per-token loss.
@@ -355,7 +361,7 @@ def agg_loss(
         ValueError: unknown mode (the message lists the valid ones).
     """
     if loss_agg_mode == "token-mean":
-        return masked_mean(loss_mat, loss_mask)
+        return masked_sum(loss_mat, loss_mask) / loss_mask.sum().clamp(min=1)
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(
             f"unknown loss_agg_mode {loss_agg_mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}"
@@ -413,7 +419,7 @@ def agg_loss_share(
         )
     seq_losses = masked_sum(loss_mat, loss_mask, dim=-1)
     if loss_agg_mode == "seq-mean-token-mean":
-        seq_losses = seq_losses / loss_mask.sum(dim=-1).clamp(min=1)
+        seq_losses = seq_losses / (loss_mask.sum(dim=-1) + 1e-8)  # verl's, as agg_loss's
     if loss_agg_mode == "seq-mean-token-sum-norm":
         if norm_length is None:
             raise ValueError("seq-mean-token-sum-norm over a split batch needs norm_length")
@@ -585,7 +591,10 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
         any of them + "+" (e.g. "k3+"): the value of that estimator with the gradient of
             k2 (straight-through: k2 - sg[k2] + sg[value]). k1's and k3's expectations are
             the KL but their expected gradients are not its gradient; k2's is
-            (https://arxiv.org/abs/2505.17508). "k2+" is k2.
+            (https://arxiv.org/abs/2505.17508). "k2+" is k2. Differs from verl: verl's
+            `kl_penalty` means the same (its docstring and `kl_penalty_forward`) but
+            raises NotImplementedError for every "+" name (b178a3c and 0.7.1 pass the name
+            with its "+" on to `kl_penalty_forward`, which does not know it).
 
     Args:
         log_prob: (B, L) policy log-probs.

@@ -49,15 +49,14 @@ trainer, outside the wheel), overlong_penalty (inline in verl's DAPORewardManage
 and the trainer's entropy and log-probs (model.token_log_probs: importing model.py takes
 transformers, seconds).
 
-Differences the project documents, asserted here: GRPO with one response per group; the
-rejection bounds' direction and where the log-ratio is clamped. Its third documented
-rejection difference (advantages before rejection) is in the trainer's pipeline, not in a
-function. Differences found that are not documented are the strict xfails at the end: verl's
-kl_penalty raises for every "+" kind; with float64 masks, agg_loss's token-mean and
-agg_loss_share's per-response token mean divide by a count + 1e-8 where verl divides by the
-count, and the trainer's whitening (whiten_with, REINFORCE++-baseline) by the count where
-verl's masked_whiten divides by count + 1e-8 (a relative 1e-8 / count; the comparisons they
-touch use ``EPS``); agg_loss of a batch with no masked-in token is 0, verl's NaN.
+Differences the project documents, asserted here (the tests after "differences documented"
+and the rejection tests): GRPO with one response per group; the rejection bounds' direction
+and where the log-ratio is clamped; verl's kl_penalty raising for every "+" kind (the project
+computes what verl means by it); agg_loss of a batch with no masked-in token (0, verl's NaN);
+the trainer's whitening (whiten_with, REINFORCE++-baseline), whose mean and variance divide by
+the count where verl's masked_whiten divides by count + 1e-8 (a relative 1e-8 / count: the
+comparisons it touches use ``EPS``). The third documented rejection difference (advantages
+before rejection) is in the trainer's pipeline, not in a function.
 """
 
 from __future__ import annotations
@@ -86,8 +85,8 @@ WHEEL_SHA256 = "0f7fb1dd6a37d20f7d8795c65ed0d1b9797ffb9947f283bbefd758dced08e216
 PACKAGES = ("verl", "verl.utils", "verl.trainer", "verl.trainer.ppo")
 F64 = torch.float64
 TIGHT = {"rtol": 0.0, "atol": 1e-12}
-# Where one side divides by a count + 1e-8 and the other by the count (undocumented, see the
-# xfails at the end): a relative 1e-8 / count; any formula difference is orders larger
+# The whitening's documented difference (the count against count + 1e-8): a relative
+# 1e-8 / count; any formula difference is orders larger
 EPS = {"rtol": 2e-8, "atol": 2e-8}
 SUM_NORM = "seq-mean-token-sum-norm"
 # (seed, responses, padded length); every mask has a full first row and an empty last one
@@ -417,10 +416,8 @@ def parts(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
 
 
 def agg_tolerance(mode: str, split: bool = False) -> dict:
-    """EPS where one side divides by a count + 1e-8, the other by the count (float64 masks;
-    test_loss_aggregation_divides_by_the_counts_as_verl): agg_loss's token-mean, and
-    agg_loss_share's seq-mean-token-mean per response. TIGHT elsewhere."""
-    return EPS if mode == ("seq-mean-token-mean" if split else "token-mean") else TIGHT
+    """Every mode's divisors are verl's (TIGHT), whole batch or split."""
+    return TIGHT
 
 
 def batch_info(mask: torch.Tensor, norm_length: float) -> tuple[tuple[float, float], dict]:
@@ -599,7 +596,7 @@ def test_kl_penalty_equals_verls(verl_ref, seed, rows, width, kind):
 @pytest.mark.parametrize("kind", PLUS_KL_KINDS)
 def test_kl_plus_kinds_are_verls_straight_through(verl_ref, seed, rows, width, kind):
     """A "+" kind has the value of verl's kl_penalty of its estimator and the gradient of
-    verl's k2, the straight-through verl's kl_penalty means for it (see the xfail below)."""
+    verl's k2, the straight-through verl's kl_penalty means for it (and raises for: see below)."""
     log_prob, ref = kl_inputs(seed, rows, width)
     ours = algos.kl_penalty(log_prob, ref, kind)
     assert_same(ours, verl_ref.core.kl_penalty(log_prob, ref, kind[:-1]))
@@ -738,80 +735,32 @@ def test_rejection_clamps_the_sum_where_verl_clamps_each_token_as_documented(
     assert_same(verl_keep(verl_ref, old, rollout, mask, level, upper), mask)
 
 
-# --- differences not documented in the project (strict xfails) ----------------------------
+# --- differences documented in the project's docstrings ----------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotImplementedError,
-    reason=(
-        'undocumented difference: verl\'s kl_penalty passes the name with its "+" to '
-        "kl_penalty_forward, which knows no such name and raises NotImplementedError (0.7.1 "
-        'and b178a3c); algos.kl_penalty says its "+" kinds are "as verl\'s kl_penalty"'
-    ),
-)
 @pytest.mark.parametrize("kind", PLUS_KL_KINDS)
-def test_kl_plus_kinds_equal_verls_kl_penalty(verl_ref, kind):
-    """verl's kl_penalty of a "+" kind, as named: it raises (the xfail reason)."""
+def test_verls_kl_penalty_raises_for_the_plus_kinds_as_documented(verl_ref, kind):
+    """Documented (kl_penalty): verl's kl_penalty passes a "+" name on to
+    kl_penalty_forward, which does not know it; test_kl_plus_kinds_are_verls_straight_through
+    shows the project computes what verl means by it."""
     log_prob, ref = kl_inputs(0, 4, 3)
-    assert_same(
-        algos.kl_penalty(log_prob, ref, kind), verl_ref.core.kl_penalty(log_prob, ref, kind)
-    )
+    with pytest.raises(NotImplementedError):
+        verl_ref.core.kl_penalty(log_prob, ref, kind)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "undocumented difference, float64 masks: agg_loss's token-mean divides by the token "
-        "count + 1e-8 (masked_mean), verl's agg_loss by the count; agg_loss_share's "
-        "seq-mean-token-mean divides each response's sum by its token count, verl's by "
-        "count + 1e-8. Relative 1e-8 / count; with float32 masks (the trainer's) the 1e-8 "
-        "rounds away and the two are equal"
-    ),
-)
-@pytest.mark.parametrize(
-    ("split", "mode"),
-    [(False, "token-mean"), (True, "seq-mean-token-mean")],
-)
-def test_loss_aggregation_divides_by_the_counts_as_verl(verl_ref, split, mode):
-    """agg_loss, or the shares of agg_loss_share, equal verl's agg_loss to 1e-12 (they
-    differ by ~1e-9 on these 2-token responses)."""
-    g = generator(0)
-    loss, mask = 1 + torch.rand(4, 2, generator=g, dtype=F64), random_mask(g, 4, 2)
-    if not split:
-        assert_same(algos.agg_loss(loss, mask, mode), verl_ref.core.agg_loss(loss, mask, mode))
-        return
-    (tokens, seqs), info = batch_info(mask, 2)
-    for loss_part, mask_part in parts(loss, mask):
-        ours = algos.agg_loss_share(loss_part, mask_part, mode, tokens, seqs)
-        assert_same(ours, verl_ref.core.agg_loss(loss_part, mask_part, mode, **info))
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "undocumented difference: agg_loss of a batch with no masked-in token is 0, verl's "
-        "agg_loss NaN (0 / 0) in token-mean and the seq-mean modes"
-    ),
-)
 @pytest.mark.parametrize("mode", [mode for mode in algos.LOSS_AGG_MODES if mode != SUM_NORM])
-def test_agg_loss_of_a_batch_without_tokens_equals_verls(verl_ref, mode):
-    """agg_loss of an all-padding batch: 0 here, NaN in verl."""
+def test_agg_loss_of_a_batch_without_tokens_is_0_where_verls_is_nan_as_documented(verl_ref, mode):
+    """Documented (agg_loss): an all-padding batch gives 0 (a step of nothing trains
+    nothing), verl's 0 / 0."""
     loss, mask = randn(generator(0), 3, 4), torch.zeros(3, 4, dtype=F64)
-    assert_same(algos.agg_loss(loss, mask, mode), verl_ref.core.agg_loss(loss, mask, mode))
+    assert algos.agg_loss(loss, mask, mode).item() == 0.0
+    assert torch.isnan(verl_ref.core.agg_loss(loss, mask, mode))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "undocumented difference: the trainer's whitening (whiten_with for gae and "
-        "reinforce_plus_plus, reinforce_pp_baseline_advantages) divides by the token count, "
-        "verl's masked_whiten (masked_mean) by count + 1e-8: a relative 1e-8 / count"
-    ),
-)
 @pytest.mark.parametrize("estimator", ["reinforce_plus_plus_baseline", *advantages.PER_TOKEN])
-def test_whitening_divides_by_count_plus_1e8_as_verl(verl_ref, estimator):
-    """The whitened advantages of a small batch equal verl's to 1e-12 (they differ by ~1e-9)."""
+def test_whitening_divides_by_the_count_where_verl_adds_1e8_as_documented(verl_ref, estimator):
+    """Documented (whiten_with, reinforce_pp_baseline_advantages): the whitened advantages
+    of a small batch (3 tokens) are verl's to a relative 1e-8 / count, and not to 1e-12."""
     scores, lengths, mask, token_rewards, index = group_inputs(0, 3, 2, 1)
     if estimator == "reinforce_plus_plus_baseline":
         ours = project_group_advantages(estimator, scores, lengths, mask)
@@ -832,4 +781,5 @@ def test_whitening_divides_by_count_plus_1e8_as_verl(verl_ref, estimator):
             theirs, _ = verl_ref.core.compute_reinforce_plus_plus_outcome_advantage(
                 token_rewards, mask, config=SimpleNamespace(gamma=1.0)
             )
-    assert_same(ours, theirs)
+    assert_same(ours, theirs, tol=EPS)
+    assert not torch.allclose(ours, theirs, **TIGHT)
