@@ -51,7 +51,6 @@ rollout rank's cut groups (``rollout/rollouter.py``).
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -94,8 +93,6 @@ LEADER_PART = "leader.h5"
 _STEP_DIR = re.compile(r"step_(\d{8,})")
 _LEGACY = re.compile(r"ckpt_(\d{8,})\.h5")
 _KILL_AFTER = "HPC_ASYNCPPO_TEST_KILL_AFTER_PART"  # "<step>:<part>", for the crash tests
-# "<first step>:<part>": writing that part fails as on a full disk from that step on (tests)
-_FAIL_FROM = "HPC_ASYNCPPO_TEST_FAIL_PART_FROM"
 
 
 def trainer_part(rank: int) -> str:
@@ -151,9 +148,6 @@ def write_part(folder: Path, name: str, tree: dict) -> PartInfo:
     """Write one rank's part of a checkpoint (atomically, fsynced); returns its record."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
-    fail = os.environ.get(_FAIL_FROM, "").split(":")
-    if len(fail) == 2 and fail[1] == name and int(folder.name[5:]) >= int(fail[0]):
-        raise OSError(errno.ENOSPC, f"No space left on device (test hook {_FAIL_FROM})")
     checksum = save_checkpoint(path, tree, {"part": name})
     kill = os.environ.get(_KILL_AFTER)
     if kill and kill == f"{int(folder.name[5:])}:{name}":

@@ -88,25 +88,32 @@ def save_checkpoint(path: str | Path, tree: dict, meta: dict) -> int:
     The file is written under a temporary name in the same directory, fsynced, renamed,
     and the directory fsynced: after a crash ``path`` is either absent, the old file, or
     the complete new one. On any error the temporary file is removed and the error raised.
+
+    HDF5 writes through a Python file object (h5py's fileobj driver), not its own: a full
+    disk is then an ``OSError`` (errno 28) of this process, wherever HDF5 writes. Through
+    its own driver the last metadata flush fails at close as a ``RuntimeError`` and leaves
+    the library with a file it can neither flush nor close: the process then crashes at
+    exit (SIGSEGV, seen on a filled tmpfs with h5py 3.x), so a rank that ran out of disk
+    at a preemption would die instead of stopping as preempted.
     """
     path = Path(path)
     meta_bytes = _json_array(meta, "meta")  # a bad meta fails before any file exists
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        with (
-            h5py.File(tmp, "w", libver=_LIBVER, track_order=True, locking=False) as f,
-            ThreadPoolExecutor(_CRC_THREADS, thread_name_prefix="crc32") as pool,
-        ):
-            writer = _Writer(f, pool)
-            writer.write(tree, meta_bytes)
-        fsync_file(tmp)
+        with open(tmp, "w+b") as raw:
+            with (
+                h5py.File(raw, "w", libver=_LIBVER, track_order=True, locking=False) as f,
+                ThreadPoolExecutor(_CRC_THREADS, thread_name_prefix="crc32") as pool,
+            ):
+                writer = _Writer(f, pool)
+                writer.write(tree, meta_bytes)
+            raw.flush()
+            os.fsync(raw.fileno())
         os.replace(tmp, path)
     except BaseException as exc:  # also KeyboardInterrupt / SystemExit from a signal handler
         tmp.unlink(missing_ok=True)
-        if type(exc) is RuntimeError:
-            # h5py reports some failed writes as RuntimeError, not OSError: a full disk
-            # (errno 28) found when the file's metadata is flushed at close
+        if type(exc) is RuntimeError:  # any other failure h5py reports this way
             raise CheckpointError(f"writing {path} failed: {' '.join(str(exc).split())}") from exc
         raise
     fsync_dir(path.parent)
