@@ -1,17 +1,21 @@
 """Goodput per attempt: where a run's wall time went, in RUN_DIR/goodput.jsonl.
 
-An attempt is one start of the job's ranks: the first run, then each requeue under Slurm
-(``SLURM_RESTART_COUNT``) or ``submit --resume``. The trainer leader writes one row per
-attempt: when it starts (``begin``; the row has no end yet) and again when it ends
-(``end``). A row still without an end when the next attempt begins belongs to an attempt
-that was killed before it could say so: it is closed with the last time the run directory
-shows activity (the newest metrics, timeline or log write).
+An attempt is one start of the job: the first run, then each requeue under Slurm
+(``SLURM_RESTART_COUNT``) or ``submit --resume``. It starts when its launcher starts (local:
+the ``submit`` process; Slurm: the batch script), which passes that time on to the ranks
+(``ATTEMPT_START``), and ends when its launcher is done (``close``, its last act). The
+trainer leader writes the attempt's row when it starts (``begin``; the row has no end
+yet) and when it ends (``end``: how, at which step); the launcher then sets the row's end
+to its own, and the reason to the signal it received (it forwards a stop to the ranks as
+SIGUSR2) or "failed" where the leader never said. A row still without an end when the next
+attempt begins belongs to an attempt whose launcher was killed too: it is closed with the
+last time the run directory shows activity (the newest metrics, timeline or log write).
 
 Each row::
 
     attempt            0, 1, 2, ...
     slurm_restart_count  SLURM_RESTART_COUNT, when under Slurm
-    start, end         wall times (the leader's process start; its last act)
+    start, end         wall times (the launcher's start; its last act)
     wall_s             end - start
     requeue_wait_s     start - the previous attempt's end (0 for the first)
     resumed_step       the checkpoint step it started from (0: a fresh start)
@@ -23,8 +27,8 @@ Each row::
     tokens_regenerated response tokens of cut groups generated again in this attempt
 
 so that the attempts' ``wall_s + requeue_wait_s`` add up to the run's wall time, from the
-first start to the last end. The file is rewritten whole (temporary name, rename) at each
-change: a few rows.
+first launcher's start to the last one's exit. The file is rewritten whole (temporary name,
+rename) at each change: a few rows.
 """
 
 from __future__ import annotations
@@ -36,20 +40,18 @@ from pathlib import Path
 
 from hpc_asyncppo.paths import GOODPUT, LOGS, METRICS, TIMELINE
 from hpc_asyncppo.runlog import read_jsonl
+from hpc_asyncppo.runtime.startup import process_started_at
+
+ATTEMPT_START = "HPC_ASYNCPPO_ATTEMPT_START"  # the launcher's start, time.time(), for the ranks
 
 
-def process_start_time() -> float:
-    """Wall time this process started (from /proc; now if unknown)."""
+def attempt_start() -> float:
+    """When this attempt's launcher started (``ATTEMPT_START``), else this process did."""
+    value = os.environ.get(ATTEMPT_START)
     try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(
-            float(line.split()[1])
-            for line in Path("/proc/stat").read_text().splitlines()
-            if line.startswith("btime")
-        )
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()
+        return float(value) if value else process_started_at()
+    except ValueError:
+        return process_started_at()
 
 
 def read_attempts(run_dir: Path) -> list[dict]:
@@ -77,7 +79,7 @@ class Attempt:
         fresh start)."""
         self.run_dir = run_dir
         self.rows = read_attempts(run_dir)
-        start = process_start_time()
+        start = attempt_start()
         previous = self.rows[-1] if self.rows else None
         if previous is not None and previous.get("end") is None:
             end = last_activity(run_dir) or previous["start"]
@@ -139,3 +141,34 @@ def summary(rows: list[dict]) -> dict:
         "tokens_regenerated": sum(r["tokens_regenerated"] for r in rows),
         "goodput": (wall - sum(r["lost_s"] for r in rows)) / total if total > 0 else None,
     }
+
+
+def close(run_dir: Path, start: float, end: float, stopped_by: str | None = None) -> None:
+    """The launcher's last act: the attempt it started at ``start`` ends at ``end``. Its row
+    takes that end; a stop signal's name (``stopped_by``, the one the launcher received, not
+    the USR2 it forwarded); "failed" if the leader never ended it. An attempt whose leader
+    never wrote a row (the job failed before) gets one."""
+    rows = read_attempts(run_dir)
+    row = rows[-1] if rows else None
+    if row is None or abs(row["start"] - start) > 1e-3:  # not this attempt's
+        previous = rows[-1] if rows else None
+        row = {
+            "attempt": len(rows),
+            "start": start,
+            "requeue_wait_s": max(0.0, start - previous["end"])
+            if previous and previous.get("end")
+            else 0.0,
+            "resumed_step": None,
+            "lost_s": 0.0,
+            "end_step": None,
+            "reason": "failed",
+            "stop_latency_s": None,
+            "tokens_regenerated": 0,
+        }
+        rows.append(row)
+    if row.get("end") is None:
+        row["reason"] = "failed"
+    elif stopped_by and str(row["reason"]).startswith("signal "):
+        row["reason"] = f"signal {stopped_by}"
+    row.update(end=end, wall_s=end - row["start"])
+    _write(run_dir, rows)

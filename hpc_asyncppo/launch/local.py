@@ -13,8 +13,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from hpc_asyncppo import goodput
 from hpc_asyncppo.config import Config, ConfigError
 from hpc_asyncppo.launch.progress import follow
 from hpc_asyncppo.launch.rundir import rank_errors, read_rank_info
@@ -113,6 +115,24 @@ def run_local(cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int) 
     log_path = run_dir / LOGS / "mpirun.log"
     cmd = mpirun_command(run_dir, rollout_ranks, train_ranks)
     received: list[int] = []
+    started = startup.process_started_at()  # the attempt's start (goodput.py)
+    code = _run_mpirun(cfg, run_dir, rollout_ranks, cmd, log_path, received, started)
+    stopped_by = signal.Signals(received[0]).name if received else None
+    goodput.close(run_dir, started, time.time(), stopped_by)
+    return code
+
+
+def _run_mpirun(
+    cfg: Config,
+    run_dir: Path,
+    rollout_ranks: int,
+    cmd: list[str],
+    log_path: Path,
+    received: list[int],
+    started: float,
+) -> int:
+    """mpirun with the stop signals handled (``received``: those that came), its exit code
+    for the CLI."""
 
     def ask_to_stop(signum: int, frame: object) -> None:
         if received:  # asked twice: kill mpirun and every rank (each runs in its own group)
@@ -129,7 +149,7 @@ def run_local(cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int) 
         received.append(signum)
 
     with log_path.open("a") as log:
-        log.write(startup.line("launcher python started", startup.process_started_at()) + "\n")
+        log.write(startup.line("launcher python started", started) + "\n")
         log.write(startup.line("run directory written") + "\n")
         log.flush()
         # Its own session: a terminal's Ctrl-C reaches only this launcher, which asks for
@@ -139,7 +159,7 @@ def run_local(cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int) 
             stdin=subprocess.DEVNULL,  # mpirun forwards stdin to rank 0; in its own session a tty would stop it
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=local_environment(rollout_ranks),
+            env={**local_environment(rollout_ranks), goodput.ATTEMPT_START: repr(started)},
             start_new_session=True,
         )
         log.write(startup.line("mpirun started") + "\n")
@@ -152,7 +172,7 @@ def run_local(cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int) 
             return proc.poll() is None
 
         try:
-            follow(run_dir, running, cfg.trainer.total_steps)
+            follow(run_dir, running, cfg.trainer.total_steps, poll_s=0.25)
             proc.wait()
             warnings.show()
         finally:

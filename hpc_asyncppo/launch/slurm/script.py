@@ -43,6 +43,13 @@ TEMPLATE_HEADER = """\
 #    metrics in $HPC_ASYNCPPO_RUN_DIR/metrics.jsonl.
 """
 
+# Every attempt (a requeue runs the script again) records when it started.
+_ATTEMPT_START = """\
+# this attempt's start, for RUN_DIR/goodput.jsonl (hpc_asyncppo/goodput.py)
+HPC_ASYNCPPO_ATTEMPT_START=$(date +%s.%N)
+export HPC_ASYNCPPO_ATTEMPT_START
+"""
+
 _TEMPLATE_PROLOGUE = f"""\
 : "${{HPC_ASYNCPPO_RUN_DIR:?set HPC_ASYNCPPO_RUN_DIR to a run directory on a shared filesystem}}"
 export HPC_ASYNCPPO_RUN_DIR
@@ -143,6 +150,7 @@ def _body(cfg: SlurmConfig, prologue: str) -> list[str]:
     setup = cfg.setup or ["# (module load ..., source .../bin/activate, exports)"]
     return [
         "set -e",
+        _ATTEMPT_START.rstrip("\n"),
         "# setup (slurm.setup)",
         *setup,
         prologue.rstrip("\n"),

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpc_asyncppo import goodput
 from hpc_asyncppo.paths import CONFIG, RANKS
 
 POLL_S = 1.0
@@ -171,7 +172,9 @@ def main(argv: list[str]) -> int:
         return 2
     run_dir = Path(argv[0]).resolve()
     watch = StepWatch.from_env(run_dir, os.environ)
-    return run_step(argv[1:], watch, _exit_grace(run_dir))
+    code = run_step(argv[1:], watch, _exit_grace(run_dir))
+    goodput.close(run_dir, goodput.attempt_start(), time.time())  # the attempt's end
+    return code
 
 
 if __name__ == "__main__":
