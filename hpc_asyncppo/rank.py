@@ -17,6 +17,20 @@ from pathlib import Path
 from hpc_asyncppo.paths import CONFIG, LOGS
 
 
+def exit_now(mpi) -> None:
+    """End a rank whose work is durable: logs flushed, MPI finalised, and out without the
+    interpreter's teardown. With torch and transformers loaded the teardown took 2 s per
+    rank on an idle machine and 10 s on a busy one (measured from the rank's "done" to
+    mpirun's exit), time every attempt and every resume paid after its last act, and it
+    tore down gloo's threads in an order that can abort. Every file this process wrote is
+    closed by its role before this (metrics, timeline, TensorBoard, queue, checkpoints)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi.Finalize()
+    os._exit(0)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m hpc_asyncppo.rank RUN_DIR", file=sys.stderr)
@@ -85,7 +99,7 @@ def main(argv: list[str]) -> int:
         run_role(cfg, topo, run_dir, checkpoint)
         close_topology(topo)
         write_rank_info(run_dir, rank, size, role, "done", gpus)
-        return 0
+        exit_now(MPI)
     except BaseException as exc:  # noqa: BLE001 - every failure must end the whole job
         logging.getLogger(__name__).error("rank %d failed:\n%s", rank, traceback.format_exc())
         host = (
