@@ -114,6 +114,7 @@ class Rollouter:
             sent_groups_writer(run_dir, self.rank) if cfg.rollout.record_sent_groups else None
         )
         self._waiting_since: float | None = None  # end of the last wait, if nothing ran since
+        self._waiting_wall = 0.0  # the same, by time.time()
         self._stop_seen: float | None = None  # when this rank saw a stop signal
         self.engine.should_stop = lambda: stop_requested() is not None
         self.tokens_regenerated = 0  # tokens of cut responses thrown away (started again)
@@ -348,13 +349,17 @@ class Rollouter:
 
     def wait_a_moment(self) -> None:
         # Idle is the whole no-credit loop, its control polls included: under MPI's
-        # yield_when_idle a poll can give the CPU away for milliseconds.
-        start = time.monotonic() if self._waiting_since is None else self._waiting_since
-        wall_start = time.time()
+        # yield_when_idle a poll can give the CPU away for milliseconds. The timeline's
+        # wait span covers exactly what idle_s counts: it starts where the last wait ended
+        # (one merged span however long a poll took), so the two never disagree.
+        if self._waiting_since is None:
+            start, wall_start = time.monotonic(), time.time()
+        else:
+            start, wall_start = self._waiting_since, self._waiting_wall
         time.sleep(0.002)
-        self._waiting_since = time.monotonic()
+        self._waiting_since, self._waiting_wall = time.monotonic(), time.time()
         self.idle_s += self._waiting_since - start
-        self.timeline.record("wait", wall_start, time.time())
+        self.timeline.record("wait", wall_start, self._waiting_wall)
 
     def prompt_ids(self, index: int) -> list[int]:
         if index not in self._encoded:
