@@ -6,6 +6,7 @@ repository root, the job's working directory).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -23,11 +24,20 @@ def fail_on_rank1(prompt: object, response_text: str) -> float:
 
 
 def linger_on_rank1(prompt: object, response_text: str) -> float:
-    """0.0; on world rank 1 it also leaves a non-daemon thread that never ends, so that
-    rank finishes its work (state "done") but its process never exits: Python waits for
-    the thread at shutdown. The job must end anyway."""
+    """0.0; on world rank 1 it also adds a logging handler whose close never returns, so
+    that rank finishes its work (state "done") but its process never exits: a rank flushes
+    and closes its logs last, then leaves without the interpreter's teardown (a lingering
+    thread would not hold it). The job must end anyway."""
     global _calls
     if os.environ.get("SLURM_PROCID") == "1" and _calls == 0:
         _calls += 1
-        threading.Thread(target=threading.Event().wait, name="lingering").start()
+        logging.getLogger().addHandler(_Lingering())
     return 0.0
+
+
+class _Lingering(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        pass
+
+    def close(self) -> None:
+        threading.Event().wait()  # never set
