@@ -90,19 +90,7 @@ class Attempt:
             # the previous attempt's work after the checkpoint this one starts from
             kept_until = max(previous["start"], checkpoint_time or previous["start"])
             lost = max(0.0, previous["end"] - kept_until)
-        self.row = {
-            "attempt": len(self.rows),
-            "start": start,
-            "end": None,
-            "wall_s": None,
-            "requeue_wait_s": max(0.0, start - previous["end"]) if previous else 0.0,
-            "resumed_step": resumed_step,
-            "lost_s": round(lost, 3),
-            "end_step": resumed_step,
-            "reason": "running",
-            "stop_latency_s": None,
-            "tokens_regenerated": 0,
-        }
+        self.row = _new_row(self.rows, start, resumed_step, "running", round(lost, 3))
         if "SLURM_RESTART_COUNT" in os.environ or "SLURM_JOB_ID" in os.environ:
             self.row["slurm_restart_count"] = int(os.environ.get("SLURM_RESTART_COUNT", 0))
         self.rows.append(self.row)
@@ -143,6 +131,27 @@ def summary(rows: list[dict]) -> dict:
     }
 
 
+def _new_row(
+    rows: list[dict], start: float, resumed_step: int | None, reason: str, lost_s: float = 0.0
+) -> dict:
+    """The row of an attempt that starts at ``start``, after ``rows``; no end yet."""
+    previous = rows[-1] if rows else None
+    waited = start - previous["end"] if previous and previous.get("end") is not None else 0.0
+    return {
+        "attempt": len(rows),
+        "start": start,
+        "end": None,
+        "wall_s": None,
+        "requeue_wait_s": max(0.0, waited),
+        "resumed_step": resumed_step,
+        "lost_s": lost_s,
+        "end_step": resumed_step,
+        "reason": reason,
+        "stop_latency_s": None,
+        "tokens_regenerated": 0,
+    }
+
+
 def close(run_dir: Path, start: float, end: float, stopped_by: str | None = None) -> None:
     """The launcher's last act: the attempt it started at ``start`` ends at ``end``. Its row
     takes that end; a stop signal's name (``stopped_by``, the one the launcher received, not
@@ -151,20 +160,7 @@ def close(run_dir: Path, start: float, end: float, stopped_by: str | None = None
     rows = read_attempts(run_dir)
     row = rows[-1] if rows else None
     if row is None or abs(row["start"] - start) > 1e-3:  # not this attempt's
-        previous = rows[-1] if rows else None
-        row = {
-            "attempt": len(rows),
-            "start": start,
-            "requeue_wait_s": max(0.0, start - previous["end"])
-            if previous and previous.get("end")
-            else 0.0,
-            "resumed_step": None,
-            "lost_s": 0.0,
-            "end_step": None,
-            "reason": "failed",
-            "stop_latency_s": None,
-            "tokens_regenerated": 0,
-        }
+        row = _new_row(rows, start, None, "failed")
         rows.append(row)
     if row.get("end") is None:
         row["reason"] = "failed"
