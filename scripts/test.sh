@@ -22,6 +22,9 @@ verl_wheel=build/verl-reference/verl-0.7.1-py3-none-any.whl
 if [ ! -f "$verl_wheel" ]; then
   $PYTHON -m pip download -q --no-deps "verl==0.7.1" -d build/verl-reference
 fi
+# This machine's speed varies with its neighbours (the same suite took 16 and 30 minutes on
+# one day): a fixed Python loop timed here lets runs be compared.
+$PYTHON -c 'import time; t = time.perf_counter(); sum(range(30_000_000)); print(f"test.sh: speed probe: 30M-term sum in {time.perf_counter() - t:.2f} s")'
 $PYTHON -m ruff check .
 $PYTHON -m ruff format --check .
 set +e

@@ -34,7 +34,7 @@ IDLE_TOL = 0.02
 # at most 0.027 s apart over 200 steps there, 0.1 s allowed (stricter than IDLE_TOL
 # once 5 s have passed).
 IDLE_TOL_S = 0.1
-KILLED_TOTAL_STEPS = 200  # killed long before the end
+KILLED_TOTAL_STEPS = 60  # killed long before the end (a kill comes 2 s in: 7-20 steps)
 
 
 # A staleness budget of 0.1 (not the default 0.5) keeps the leader's queue shallow, so that

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,10 +109,22 @@ def test_a_run_stopped_twice_and_resumed_on_other_rank_counts_trains_every_sampl
     assert all(0 <= a["stop_latency_s"] < 30 for a in attempts[:2])
 
 
-def test_a_corrupt_or_missing_part_is_named_and_its_checkpoint_skipped(tmp_path):
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """6 steps on 2 trainer ranks, checkpoints at steps 2, 4 and 6. Tests change a copy."""
+    run_dir = tmp_path_factory.mktemp("two_rank_run") / "run"
     args = ["--train-ranks", "2", *SMALL, "trainer.total_steps=6", "checkpoint.save_every=2"]
-    assert submit_local("--run-dir", str(run_dir), *args).returncode == 0
+    proc = submit_local("--run-dir", str(run_dir), *args)
+    assert proc.returncode == 0, proc.stderr
+    return run_dir
+
+
+def copy_of(run_dir: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(run_dir, tmp_path / "run"))
+
+
+def test_a_corrupt_or_missing_part_is_named_and_its_checkpoint_skipped(two_rank_run, tmp_path):
+    run_dir = copy_of(two_rank_run, tmp_path)
     newest, older = list_checkpoints(run_dir)[:2]
     assert newest.name == "step_00000006" and older.name == "step_00000004"
     # a flipped byte in trainer rank 1's part: its size is right, so only the rank that
@@ -164,13 +177,12 @@ def test_a_rank_killed_while_parts_are_written_leaves_the_previous_checkpoint(tm
     assert read_manifest(step_dir(run_dir, 4))["step"] == 4
 
 
-def test_checkpoint_of_another_model_shape_is_refused(tmp_path):
-    run_dir = tmp_path / "run"
-    assert submit_local("--run-dir", str(run_dir), *SMALL, "trainer.total_steps=2").returncode == 0
+def test_checkpoint_of_another_model_shape_is_refused(two_rank_run, tmp_path):
+    run_dir = copy_of(two_rank_run, tmp_path)
     other = build_tiny_model(
         tmp_path / "wide", load_task(DataConfig()).vocabulary(), TinyModelConfig(hidden_size=32), 1
     )
-    resumed = submit_local("--resume", str(run_dir), f"model.path={other}", "trainer.total_steps=4")
+    resumed = submit_local("--resume", str(run_dir), f"model.path={other}", "trainer.total_steps=8")
     assert resumed.returncode != 0
     assert "has shape" in resumed.stderr and "the model has" in resumed.stderr
 
