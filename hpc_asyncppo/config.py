@@ -242,6 +242,11 @@ class TrainerConfig:
     )
     test_freq: int = 0  # validate on data.val every this many steps; 0: never
     val_before_train: bool = True  # with test_freq: also validate the initial weights (step 0)
+    # A local job that fails for a reason other than its input (a rank killed, a crash,
+    # a named hang) is started again from its newest checkpoint, at most this many times
+    # per submit; a crash loop (the same failure at the same step twice) stops it sooner.
+    max_restarts: int = 3
+    restart_backoff_s: float = 10.0  # before the first restart; doubled before each next
 
 
 @dataclass
@@ -400,6 +405,8 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "async_training.require_batches": (1, False),
     "async_training.max_staleness": (0, False),
     "trainer.total_steps": (1, False),
+    "trainer.max_restarts": (0, False),
+    "trainer.restart_backoff_s": (0, False),
     "trainer.weight_sync_bucket_mb": (1, False),
     "checkpoint.save_every": (0, False),
     "checkpoint.keep": (1, False),

@@ -23,6 +23,7 @@ Each row::
                        thrown away (0 when it checkpointed just before it ended)
     end_step, reason   the step it reached, and how it ended (finished, a signal, failed,
                        killed)
+    failure            a failed attempt's failed ranks, one line each, as the launcher tells them
     stop_latency_s     from the stop signal to the durable checkpoint (a signal's end)
     tokens_regenerated response tokens of cut groups generated again in this attempt
 
@@ -152,11 +153,18 @@ def _new_row(
     }
 
 
-def close(run_dir: Path, start: float, end: float, stopped_by: str | None = None) -> None:
-    """The launcher's last act: the attempt it started at ``start`` ends at ``end``. Its row
-    takes that end; a stop signal's name (``stopped_by``, the one the launcher received, not
-    the USR2 it forwarded); "failed" if the leader never ended it. An attempt whose leader
-    never wrote a row (the job failed before) gets one."""
+def close(
+    run_dir: Path,
+    start: float,
+    end: float,
+    stopped_by: str | None = None,
+    failure: list[str] | None = None,
+) -> None:
+    """The launcher's last act for an attempt: the attempt it started at ``start`` ends at
+    ``end``. Its row takes that end; a stop signal's name (``stopped_by``, the one the
+    launcher received, not the USR2 it forwarded); "failed" if the leader never ended it,
+    with the failed ranks' lines (``failure``) and the last step logged. An attempt
+    whose leader never wrote a row (the job failed before) gets one."""
     rows = read_attempts(run_dir)
     row = rows[-1] if rows else None
     if row is None or abs(row["start"] - start) > 1e-3:  # not this attempt's
@@ -164,6 +172,11 @@ def close(run_dir: Path, start: float, end: float, stopped_by: str | None = None
         rows.append(row)
     if row.get("end") is None:
         row["reason"] = "failed"
+        steps = read_jsonl(run_dir / METRICS)
+        if steps and (row["end_step"] is None or steps[-1]["step"] > row["end_step"]):
+            row["end_step"] = steps[-1]["step"]
+    if failure is not None:
+        row["failure"] = failure
     elif stopped_by and str(row["reason"]).startswith("signal "):
         row["reason"] = f"signal {stopped_by}"
     row.update(end=end, wall_s=end - row["start"])

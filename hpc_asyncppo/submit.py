@@ -28,9 +28,14 @@ from hpc_asyncppo.config import (
     load_config,
     to_yaml,
 )
-from hpc_asyncppo.launch.rundir import RunDirError, default_run_dir, prepare_run_dir
+from hpc_asyncppo.launch.rundir import (
+    RunDirError,
+    default_run_dir,
+    prepare_run_dir,
+    report_resume_point,
+)
 from hpc_asyncppo.launch.slurm import cli as slurm_cli
-from hpc_asyncppo.paths import CHECKPOINTS, CONFIG, LAUNCH
+from hpc_asyncppo.paths import CONFIG, LAUNCH
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -117,29 +122,6 @@ def base_config(args: argparse.Namespace) -> str | Path | None:
             f"--resume {args.resume}: no {CONFIG} there, so it is not a run directory"
         )
     return args.resume / CONFIG
-
-
-def report_resume_point(run_dir: Path) -> None:
-    """Say which checkpoint the job will resume from, one line per broken one skipped;
-    ConfigError if there are checkpoints and none is complete (before any rank starts).
-    Only the manifests are read (parts present, sizes): the ranks verify the data."""
-    from hpc_asyncppo.checkpoint import protocol
-    from hpc_asyncppo.checkpoint.store import CheckpointError
-
-    found = protocol.list_checkpoints(run_dir)
-    for folder in found:
-        try:
-            protocol.check_manifest(folder)
-        except CheckpointError as exc:
-            print(f"warning: {exc}; trying an older checkpoint", file=sys.stderr)
-            continue
-        print(f"resuming from {folder}", flush=True)
-        return
-    if found:
-        raise ConfigError(
-            f"no valid checkpoint in {run_dir / CHECKPOINTS} (see the warnings above)"
-        )
-    print(f"no checkpoint in {run_dir}: starting it over", flush=True)
 
 
 def write_atomically(files: dict[Path, str]) -> None:

@@ -100,13 +100,19 @@ def killed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def resumed_run(killed_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A copy of the killed run, started again: it resumes from its step-5 checkpoint."""
-    from hpc_asyncppo.config import load_resolved
-    from hpc_asyncppo.launch.local import run_local
-
     run_dir = tmp_path_factory.mktemp("report") / "resumed"
     shutil.copytree(killed_run, run_dir)
-    cfg = load_resolved(run_dir / "config.yaml")
-    assert run_local(cfg, run_dir, 1, 1) == 0
+    cmd = [
+        sys.executable,
+        "-m",
+        "hpc_asyncppo.submit",
+        "--cluster",
+        "local",
+        "--resume",
+        str(run_dir),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     return run_dir
 
 

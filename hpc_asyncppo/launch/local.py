@@ -6,6 +6,7 @@ The same per-rank entry point as under Slurm; rollout ranks are world ranks [0, 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -18,8 +19,9 @@ from pathlib import Path
 
 from hpc_asyncppo import goodput
 from hpc_asyncppo.config import Config, ConfigError
+from hpc_asyncppo.launch import restarts
 from hpc_asyncppo.launch.progress import follow
-from hpc_asyncppo.launch.rundir import rank_errors, read_rank_info
+from hpc_asyncppo.launch.rundir import rank_errors, read_rank_info, report_resume_point
 from hpc_asyncppo.paths import LOGS, PREEMPTED
 from hpc_asyncppo.runtime import startup
 
@@ -111,15 +113,105 @@ def run_local(cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int) 
     Ctrl-C or SIGTERM asks the job to stop cleanly: the launcher sends mpirun SIGUSR2, which
     it forwards to every rank, and the trainer leader checkpoints at the next step boundary
     and stops the others. A second Ctrl-C kills the job at once.
+
+    A job that fails for a reason other than its input starts again from its newest
+    checkpoint after a back-off, at most ``trainer.max_restarts`` times (``restarts.py``
+    says what is retried); each attempt is a row of goodput.jsonl.
     """
     log_path = run_dir / LOGS / "mpirun.log"
     cmd = mpirun_command(run_dir, rollout_ranks, train_ranks)
-    received: list[int] = []
     started = startup.process_started_at()  # the attempt's start (goodput.py)
-    code = _run_mpirun(cfg, run_dir, rollout_ranks, cmd, log_path, received, started)
-    stopped_by = signal.Signals(received[0]).name if received else None
-    goodput.close(run_dir, started, time.time(), stopped_by)
-    return code
+    previous: restarts.Failure | None = None
+    for restarts_done in itertools.count():
+        received: list[int] = []
+        code = _run_mpirun(
+            cfg, run_dir, rollout_ranks, cmd, log_path, received, started, restarts_done > 0
+        )
+        stopped_by = signal.Signals(received[0]).name if received else None
+        if code == 0:
+            goodput.close(run_dir, started, time.time(), stopped_by)
+            return _stopped(run_dir, received)
+        failure = restarts.Failure.of(
+            run_dir, explain_failure(run_dir, rollout_ranks, log_path.read_text())
+        )
+        goodput.close(run_dir, started, time.time(), stopped_by, list(failure.lines))
+        if received:  # asked to stop: never restarted
+            return _failed(run_dir, log_path, code, failure)
+        why_not = restarts.why_not_restart(
+            failure, previous, restarts_done, cfg.trainer.max_restarts
+        )
+        if why_not is not None:
+            return _failed(run_dir, log_path, code, failure, f", not restarted: {why_not}")
+        wait_s = restarts.backoff_s(cfg.trainer.restart_backoff_s, restarts_done)
+        print(
+            f"the job failed at step {failure.step} (mpirun exit code {code}); restarting it "
+            f"from its newest checkpoint in {wait_s:g} s (restart {restarts_done + 1} of "
+            f"{cfg.trainer.max_restarts})",
+            file=sys.stderr,
+            flush=True,
+        )
+        for line in failure.lines:
+            print(f"  {line}", file=sys.stderr, flush=True)
+        signum = _wait_unless_stopped(wait_s)
+        if signum is not None:
+            print(
+                f"{signal.Signals(signum).name}: not restarting; continue with:\n"
+                f"  python -m hpc_asyncppo.submit --cluster local --resume {run_dir}",
+                file=sys.stderr,
+            )
+            return 128 + signum
+        restarts.archive_errors(run_dir, len(goodput.read_attempts(run_dir)) - 1)
+        try:
+            report_resume_point(run_dir)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        started = time.time()
+        previous = failure
+    raise AssertionError("unreachable")
+
+
+def _stopped(run_dir: Path, received: list[int]) -> int:
+    """The exit code of an attempt that ended well: finished, or stopped with a checkpoint."""
+    preempted = run_dir / PREEMPTED
+    if not preempted.exists():
+        return 0
+    step = json.loads(preempted.read_text())["step"]
+    print(f"stopped at step {step} with a checkpoint; continue with:", file=sys.stderr)
+    print(f"  python -m hpc_asyncppo.submit --cluster local --resume {run_dir}", file=sys.stderr)
+    return 128 + received[0] if received else 1
+
+
+def _failed(
+    run_dir: Path, log_path: Path, code: int, failure: restarts.Failure, why: str = ""
+) -> int:
+    print(
+        f"error: the job failed (mpirun exit code {code}){why}; log: {log_path}; "
+        "once the cause below is fixed: "
+        f"python -m hpc_asyncppo.submit --cluster local --resume {run_dir}",
+        file=sys.stderr,
+    )
+    for line in failure.lines:
+        print(f"  {line}", file=sys.stderr)
+    return code or 1
+
+
+def _wait_unless_stopped(seconds: float) -> int | None:
+    """Sleep ``seconds``; a SIGINT or SIGTERM meanwhile ends the wait: its number."""
+    received: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        deadline = time.monotonic() + seconds
+        while not received and time.monotonic() < deadline:
+            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return received[0] if received else None
 
 
 def _run_mpirun(
@@ -130,9 +222,9 @@ def _run_mpirun(
     log_path: Path,
     received: list[int],
     started: float,
+    restarted: bool,
 ) -> int:
-    """mpirun with the stop signals handled (``received``: those that came), its exit code
-    for the CLI."""
+    """mpirun with the stop signals handled (``received``: those that came); its exit code."""
 
     def ask_to_stop(signum: int, frame: object) -> None:
         if received:  # asked twice: kill mpirun and every rank (each runs in its own group)
@@ -149,8 +241,11 @@ def _run_mpirun(
         received.append(signum)
 
     with log_path.open("a") as log:
-        log.write(startup.line("launcher python started", started) + "\n")
-        log.write(startup.line("run directory written") + "\n")
+        if restarted:
+            log.write(startup.line("launcher restarting the job", started) + "\n")
+        else:
+            log.write(startup.line("launcher python started", started) + "\n")
+            log.write(startup.line("run directory written") + "\n")
         log.flush()
         # Its own session: a terminal's Ctrl-C reaches only this launcher, which asks for
         # a clean stop, instead of killing mpirun and every rank mid-step.
@@ -178,21 +273,4 @@ def _run_mpirun(
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-    preempted = run_dir / PREEMPTED
-    if proc.returncode == 0 and preempted.exists():
-        step = json.loads(preempted.read_text())["step"]
-        print(f"stopped at step {step} with a checkpoint; continue with:", file=sys.stderr)
-        print(
-            f"  python -m hpc_asyncppo.submit --cluster local --resume {run_dir}", file=sys.stderr
-        )
-        return 128 + received[0] if received else 1
-    if proc.returncode == 0:
-        return 0
-    print(
-        f"error: the job failed (mpirun exit code {proc.returncode}); log: {log_path}; "
-        f"once the cause below is fixed: python -m hpc_asyncppo.submit --cluster local --resume {run_dir}",
-        file=sys.stderr,
-    )
-    for line in explain_failure(run_dir, rollout_ranks, log_path.read_text()):
-        print(f"  {line}", file=sys.stderr)
-    return proc.returncode or 1
+    return proc.returncode

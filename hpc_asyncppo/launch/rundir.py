@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_asyncppo.config import Config, ConfigError, to_yaml
-from hpc_asyncppo.paths import CONFIG, ERRORS, LOGS, MODEL, OVERLONG, RANKS
+from hpc_asyncppo.paths import CHECKPOINTS, CONFIG, ERRORS, LOGS, MODEL, OVERLONG, RANKS
 
 if TYPE_CHECKING:
     from hpc_asyncppo.tasks import Task
@@ -211,3 +211,26 @@ def error_line(text: str) -> str:
 
 
 _TRACEBACK = "Traceback (most recent call last):"
+
+
+def report_resume_point(run_dir: Path) -> None:
+    """Say which checkpoint the job will resume from, one line per broken one skipped;
+    ConfigError if there are checkpoints and none is complete (before any rank starts).
+    Only the manifests are read (parts present, sizes): the ranks verify the data."""
+    from hpc_asyncppo.checkpoint import protocol
+    from hpc_asyncppo.checkpoint.store import CheckpointError
+
+    found = protocol.list_checkpoints(run_dir)
+    for folder in found:
+        try:
+            protocol.check_manifest(folder)
+        except CheckpointError as exc:
+            print(f"warning: {exc}; trying an older checkpoint", file=sys.stderr)
+            continue
+        print(f"resuming from {folder}", flush=True)
+        return
+    if found:
+        raise ConfigError(
+            f"no valid checkpoint in {run_dir / CHECKPOINTS} (see the warnings above)"
+        )
+    print(f"no checkpoint in {run_dir}: starting it over", flush=True)

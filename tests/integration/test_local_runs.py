@@ -192,26 +192,40 @@ def test_dynamic_sampling_drops_flat_groups_refills_the_batch_and_the_audit_bala
     assert all(m["reward/overlong_penalty_mean"] <= 0 for m in metrics)
 
 
-def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
+def test_a_failing_rank_is_restarted_once_then_stopped_as_a_crash_loop(tmp_path):
+    """Rollout rank 1's reward function fails after 200 calls, before the first checkpoint:
+    the launcher restarts the job, which fails the same way with no checkpoint between, so
+    it stops (not after trainer.max_restarts) and names the failure and the loop."""
     run_dir = tmp_path / "run"
     proc = submit(
         run_dir,
         "--rollout-ranks",
         "2",
         "trainer.total_steps=200",
+        "trainer.restart_backoff_s=1",
         "data.reward_fn=tests.integration.faults:raise_on_rank1",
     )
     assert proc.returncode != 0  # submit's own timeout (240 s) is the bound: a hang fails
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "not restarted: a crash loop" in errors[0], proc.stderr
+    assert "restarting it from its newest checkpoint in 1 s (restart 1 of 3)" in proc.stderr
     assert (
         "rank 1 (rollout" in proc.stderr
         and "injected failure in the reward function" in proc.stderr
     )
+    attempts = read_jsonl(run_dir / "goodput.jsonl")
+    assert [a["reason"] for a in attempts] == ["failed", "failed"], attempts
+    assert all(any("injected failure" in line for line in a["failure"]) for a in attempts)
+    assert 1 <= attempts[1]["requeue_wait_s"] < 10  # the back-off
+    # the first attempt's record of its failure was kept apart from the second's
+    assert "injected failure" in (run_dir / "errors" / "attempt0" / "rank1.txt").read_text()
 
 
 def test_a_killed_rank_ends_the_job_within_bounded_time(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", "--run-dir", str(run_dir),
-           "--rollout-ranks", "2", "trainer.total_steps=100000", "data.reward_fn=tests.integration.faults:slow"]  # fmt: skip
+           "--rollout-ranks", "2", "trainer.total_steps=100000", "trainer.max_restarts=0",
+           "data.reward_fn=tests.integration.faults:slow"]  # fmt: skip
     proc = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -231,6 +245,72 @@ def test_a_killed_rank_ends_the_job_within_bounded_time(tmp_path):
     assert (
         f"rank 1 (rollout, {victim['host']}, pid {victim['pid']}) died: killed by signal 9" in err
     ), err
+    assert "not restarted: trainer.max_restarts=0 restarts made" in err, err
+
+
+def wait_for(proc: subprocess.Popen, done, what: str, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert proc.poll() is None, (what, proc.communicate())
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.2)
+
+
+def test_killed_ranks_restart_the_job_which_trains_every_sample_once(tmp_path):
+    """A rollout rank killed mid-run, then a trainer follower in the restarted attempt: the
+    launcher starts the job again from its newest checkpoint each time, and the run
+    finishes with every sample trained once and the failed attempts' lost work recorded."""
+    run_dir = tmp_path / "run"
+    steps = 12
+    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", "--run-dir", str(run_dir),
+           "--rollout-ranks", "2", "--train-ranks", "2", "actor.ppo_mini_batch_size=4",
+           "data.num_prompts=64", f"trainer.total_steps={steps}", "checkpoint.save_every=3",
+           "trainer.restart_backoff_s=1", "timeouts.sample_wait_s=120",
+           "data.reward_fn=tests.integration.faults:slow"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+
+        def pid_of(rank: int) -> int:
+            return json.loads((run_dir / "ranks" / f"rank{rank}.json").read_text())["pid"]
+
+        def attempts() -> list[dict]:
+            return read_jsonl(run_dir / "goodput.jsonl")
+
+        def trained_to(step: int):
+            return lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= step
+
+        wait_for(proc, trained_to(4), "the first attempt's fourth step")
+        os.kill(pid_of(1), signal.SIGKILL)  # a rollout rank
+        wait_for(proc, lambda: len(attempts()) == 2, "the restart")
+        resumed_at = attempts()[1]["resumed_step"]
+        wait_for(proc, trained_to(resumed_at + 4), "the second attempt's steps")
+        os.kill(pid_of(3), signal.SIGKILL)  # the trainer follower (2 is the leader)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + err
+    assert err.count("restarting it from its newest checkpoint") == 2, err
+    assert "rank 1 (rollout" in err and "rank 3 (trainer" in err, err
+    rows = attempts()
+    assert [a["reason"] for a in rows] == ["failed", "failed", "finished"], rows
+    # each failed attempt's row names the rank killed (beside its peers' lost connections)
+    assert any(x.startswith("rank 1 ") and "killed by signal 9" in x for x in rows[0]["failure"])
+    assert any(x.startswith("rank 3 ") and "killed by signal 9" in x for x in rows[1]["failure"])
+    # each restart resumed from a checkpoint and lost the work since it
+    assert rows[1]["resumed_step"] >= 3 and rows[2]["resumed_step"] > rows[1]["resumed_step"]
+    assert all(a["lost_s"] > 0 for a in rows[1:]), rows
+    # every sample trained exactly once, every group of the data order whole
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert sorted({m["step"] for m in metrics}) == list(range(1, steps + 1))
+    trained = [r["uid"] for r in read_jsonl(run_dir / "trained_samples.jsonl")]
+    assert len(trained) == len(set(trained)) == steps * 4 * 8, "a sample lost or trained twice"
+    dropped = {r["uid"] for r in read_jsonl(run_dir / "dropped_samples.jsonl")}
+    assert not dropped & set(trained)
+    groups = collections.Counter(uid.rsplit("-r", 1)[0] for uid in [*trained, *dropped])
+    assert set(groups.values()) == {8}
     # everything this run had trained is still accounted for
     trained = read_jsonl(run_dir / "trained_samples.jsonl")
     assert len({r["uid"] for r in trained}) == len(trained)

@@ -1,0 +1,95 @@
+"""What the launcher restarts and when it stops trying (launch/restarts.py), on run
+directories laid out as a failed attempt leaves them. The restarts themselves, in real
+runs under mpirun: tests/integration/test_local_runs.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpc_asyncppo.launch.restarts import Failure, archive_errors, backoff_s, why_not_restart
+from hpc_asyncppo.launch.rundir import rank_errors, write_rank_error
+
+KILLED = "rank 1 (rollout, n1, pid {pid}) died: killed by signal 9 (SIGKILL)"
+CRASHED = "rank 3 (trainer, n2): RuntimeError: CUDA error: an illegal memory access"
+
+
+def failed_run(root: Path, steps: int, checkpoints: list[int]) -> Path:
+    """A run directory with ``steps`` metrics rows and committed checkpoints of ``checkpoints``."""
+    run_dir = root / f"run{len(list(root.iterdir()))}"
+    run_dir.mkdir()
+    rows = "".join(json.dumps({"step": s, "reward/mean": 0.1}) + "\n" for s in range(1, steps + 1))
+    (run_dir / "metrics.jsonl").write_text(rows)
+    for step in checkpoints:
+        folder = run_dir / "checkpoints" / f"step_{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "manifest.json").write_text(json.dumps({"step": step}))
+    (run_dir / "checkpoints" / "step_00009999").mkdir(parents=True)  # uncommitted: no manifest
+    return run_dir
+
+
+def test_a_failure_records_its_last_step_and_newest_committed_checkpoint(tmp_path):
+    failure = Failure.of(failed_run(tmp_path, 17, [5, 15, 10]), [KILLED.format(pid=7)])
+    assert (failure.step, failure.checkpoint) == (17, 15)
+    assert Failure.of(failed_run(tmp_path, 0, []), []).checkpoint == 0
+
+
+@pytest.mark.parametrize(
+    ("line", "cause"),
+    [
+        ("rank 2 (trainer, n2): ConfigError: actor.lr must be > 0", "the input is wrong (ConfigError)"),
+        ("rank 0 (rollout, n1): DatasetError: row 3 has no prompt", "the input is wrong (DatasetError)"),
+        ("rank 2 (trainer, n2): hpc_asyncppo.checkpoint.store.CheckpointError: tensor 'w' has shape (2,)",
+         "the input is wrong (hpc_asyncppo.checkpoint.store.CheckpointError)"),
+        ("rank 0 (rollout, n1): ModuleNotFoundError: No module named 'my_reward'",
+         "the input is wrong (ModuleNotFoundError)"),
+        ("rank 2 (trainer, n2): OSError: [Errno 28] No space left on device", "the disk is full"),
+        ("rank 2 (trainer, n2): OSError: [Errno 122] Disk quota exceeded", "the disk is full"),
+        (CRASHED, None),
+        (KILLED.format(pid=4), None),
+        ("rank 2 (trainer, n2): PeerTimeout: no samples from rollout rank 1 for 600 s", None),
+    ],
+)  # fmt: skip
+def test_input_errors_and_a_full_disk_are_final_and_the_rest_retried(tmp_path, line, cause):
+    failure = Failure(lines=(KILLED.format(pid=9), line), step=3, checkpoint=0)
+    assert failure.final_cause() == cause
+    assert (why_not_restart(failure, None, 0, 3) is None) == (cause is None)
+
+
+def test_the_same_failure_without_a_checkpoint_between_is_a_crash_loop():
+    first = Failure((KILLED.format(pid=100), CRASHED), step=12, checkpoint=10)
+    # the same ranks failing the same way (other pids), having redone the same steps
+    again = Failure((CRASHED, KILLED.format(pid=200)), step=11, checkpoint=10)
+    why = why_not_restart(again, first, 1, 3)
+    assert why is not None and "crash loop" in why and "step 10" in why
+    # progress saved in between: a node lost twice in a day, not a loop
+    later = Failure((KILLED.format(pid=300), CRASHED), step=23, checkpoint=20)
+    assert why_not_restart(later, first, 1, 3) is None
+    # the cause in common, the lines of its peers not (a lost connection recorded or not)
+    peer = "rank 2 (trainer, n2): RuntimeError: Connection closed by peer [127.0.0.1]:40213"
+    assert why_not_restart(Failure((KILLED.format(pid=5), peer), 9, 10), first, 1, 3)
+    # another failure, no checkpoint in between: retried
+    other = Failure(("rank 0 (rollout, n1, pid 7) died: killed by signal 9 (SIGKILL)",), 12, 10)
+    assert why_not_restart(other, first, 1, 3) is None
+
+
+def test_restarts_are_bounded_and_backed_off():
+    failure = Failure((KILLED.format(pid=1),), step=5, checkpoint=0)
+    assert why_not_restart(failure, None, 2, 3) is None
+    assert why_not_restart(failure, None, 3, 3) == "trainer.max_restarts=3 restarts made"
+    assert why_not_restart(failure, None, 0, 0) == "trainer.max_restarts=0 restarts made"
+    assert [backoff_s(10, n) for n in range(8)] == [10, 20, 40, 80, 160, 320, 600, 600]
+
+
+def test_a_failed_attempts_errors_are_kept_apart_from_the_next_ones(tmp_path):
+    write_rank_error(tmp_path, 1, "rank 1 (rollout, n1): RuntimeError: first\n\nTraceback ...")
+    archive_errors(tmp_path, 0)
+    assert rank_errors(tmp_path) == []
+    assert "first" in (tmp_path / "errors" / "attempt0" / "rank1.txt").read_text()
+    write_rank_error(tmp_path, 2, "rank 2 (trainer, n2): RuntimeError: second")
+    assert rank_errors(tmp_path) == ["rank 2 (trainer, n2): RuntimeError: second"]
+    archive_errors(tmp_path, 1)
+    archive_errors(tmp_path, 2)  # nothing recorded: nothing moved
+    assert sorted(p.name for p in (tmp_path / "errors").iterdir()) == ["attempt0", "attempt1"]
