@@ -40,6 +40,7 @@ DISK_FULL = ("No space left on device", "Disk quota exceeded")
 # "rank 1 (rollout, host): ConfigError: ..." (rank.py); "... died: killed by signal 9 (...)"
 _RECORDED_ERROR = re.compile(r"^rank \d+ \([^)]*\): ([\w.]+): ")
 _PID = re.compile(r", pid \d+")
+_WRITE_FAILED = re.compile(r"CheckpointError: writing \S+ failed")  # checkpoint/store.py
 _ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+(:\d+)?|\]:\d+")
 
 
@@ -68,12 +69,16 @@ class Failure:
 
     def final_cause(self) -> str | None:
         """Why no attempt can go differently, or None."""
+        if any(words in line for line in self.lines for words in DISK_FULL):
+            return "the disk is full"
         for line in self.lines:
             match = _RECORDED_ERROR.match(line)
-            if match and match.group(1).rsplit(".", 1)[-1] in INPUT_ERRORS:
+            if (
+                match
+                and match.group(1).rsplit(".", 1)[-1] in INPUT_ERRORS
+                and not _WRITE_FAILED.search(line)  # the filesystem's, not the input's
+            ):
                 return f"the input is wrong ({match.group(1)})"
-            if any(words in line for words in DISK_FULL):
-                return "the disk is full"
         return None
 
 
@@ -91,9 +96,10 @@ def why_not_restart(
         and failure.checkpoint == previous.checkpoint
         and failure.signature() & previous.signature()
     ):
+        newest = f"the newest is of step {failure.checkpoint}" if failure.checkpoint else "none yet"
         return (
             "a crash loop: the attempt before failed the same way, and no checkpoint was "
-            f"written in between (the newest is of step {failure.checkpoint})"
+            f"written in between ({newest})"
         )
     if restarts_done >= max_restarts:
         return f"trainer.max_restarts={max_restarts} restarts made"

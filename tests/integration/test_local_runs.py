@@ -257,13 +257,13 @@ def wait_for(proc: subprocess.Popen, done, what: str, timeout_s: float = 180) ->
 
 
 def test_killed_ranks_restart_the_job_which_trains_every_sample_once(tmp_path):
-    """A rollout rank killed mid-run, then a trainer follower in the restarted attempt: the
+    """The rollout rank killed mid-run, then a trainer follower in the restarted attempt: the
     launcher starts the job again from its newest checkpoint each time, and the run
     finishes with every sample trained once and the failed attempts' lost work recorded."""
     run_dir = tmp_path / "run"
     steps = 12
     cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", "--run-dir", str(run_dir),
-           "--rollout-ranks", "2", "--train-ranks", "2", "actor.ppo_mini_batch_size=4",
+           "--rollout-ranks", "1", "--train-ranks", "2", "actor.ppo_mini_batch_size=4",
            "data.num_prompts=64", f"trainer.total_steps={steps}", "checkpoint.save_every=3",
            "trainer.restart_backoff_s=1", "timeouts.sample_wait_s=120",
            "data.reward_fn=tests.integration.faults:slow"]  # fmt: skip
@@ -282,23 +282,23 @@ def test_killed_ranks_restart_the_job_which_trains_every_sample_once(tmp_path):
             return lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= step
 
         wait_for(proc, trained_to(4), "the first attempt's fourth step")
-        os.kill(pid_of(1), signal.SIGKILL)  # a rollout rank
+        os.kill(pid_of(0), signal.SIGKILL)  # the rollout rank
         wait_for(proc, lambda: len(attempts()) == 2, "the restart")
         resumed_at = attempts()[1]["resumed_step"]
         wait_for(proc, trained_to(resumed_at + 4), "the second attempt's steps")
-        os.kill(pid_of(3), signal.SIGKILL)  # the trainer follower (2 is the leader)
+        os.kill(pid_of(2), signal.SIGKILL)  # the trainer follower (1 is the leader)
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out + err
     assert err.count("restarting it from its newest checkpoint") == 2, err
-    assert "rank 1 (rollout" in err and "rank 3 (trainer" in err, err
+    assert "rank 0 (rollout" in err and "rank 2 (trainer" in err, err
     rows = attempts()
     assert [a["reason"] for a in rows] == ["failed", "failed", "finished"], rows
     # each failed attempt's row names the rank killed (beside its peers' lost connections)
-    assert any(x.startswith("rank 1 ") and "killed by signal 9" in x for x in rows[0]["failure"])
-    assert any(x.startswith("rank 3 ") and "killed by signal 9" in x for x in rows[1]["failure"])
+    assert any(x.startswith("rank 0 ") and "killed by signal 9" in x for x in rows[0]["failure"])
+    assert any(x.startswith("rank 2 ") and "killed by signal 9" in x for x in rows[1]["failure"])
     # each restart resumed from a checkpoint and lost the work since it
     assert rows[1]["resumed_step"] >= 3 and rows[2]["resumed_step"] > rows[1]["resumed_step"]
     assert all(a["lost_s"] > 0 for a in rows[1:]), rows

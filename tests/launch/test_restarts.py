@@ -47,6 +47,10 @@ def test_a_failure_records_its_last_step_and_newest_committed_checkpoint(tmp_pat
          "the input is wrong (ModuleNotFoundError)"),
         ("rank 2 (trainer, n2): OSError: [Errno 28] No space left on device", "the disk is full"),
         ("rank 2 (trainer, n2): OSError: [Errno 122] Disk quota exceeded", "the disk is full"),
+        ("rank 2 (trainer, n2): CheckpointError: writing /r/step_00000004/trainer0.h5 failed: "
+         "[Errno 28] No space left on device", "the disk is full"),
+        ("rank 2 (trainer, n2): CheckpointError: writing /r/step_00000004/trainer0.h5 failed: "
+         "[Errno 5] Input/output error", None),
         (CRASHED, None),
         (KILLED.format(pid=4), None),
         ("rank 2 (trainer, n2): PeerTimeout: no samples from rollout rank 1 for 600 s", None),
