@@ -22,6 +22,7 @@ from hpc_asyncppo import report, status
 from hpc_asyncppo import timeline as tl
 from hpc_asyncppo.paths import METRICS, REPORT, TRAINED
 from hpc_asyncppo.runlog import read_jsonl
+from tests.conftest import submit_local
 
 pytestmark = pytest.mark.mpi
 
@@ -102,16 +103,7 @@ def resumed_run(killed_run: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     """A copy of the killed run, started again: it resumes from its step-5 checkpoint."""
     run_dir = tmp_path_factory.mktemp("report") / "resumed"
     shutil.copytree(killed_run, run_dir)
-    cmd = [
-        sys.executable,
-        "-m",
-        "hpc_asyncppo.submit",
-        "--cluster",
-        "local",
-        "--resume",
-        str(run_dir),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = submit_local("--resume", str(run_dir))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return run_dir
 

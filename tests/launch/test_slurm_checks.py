@@ -166,3 +166,36 @@ def test_placement_uses_the_component_of_the_rank() -> None:
     assert slurm_placement(0, HET_ENV)["slurm_job_id"] == "7"
     outside = slurm_placement(0, {})
     assert outside["slurm_partition"] is None and outside["slurm_het_group"] is None
+
+
+def test_a_controller_that_does_not_answer_is_asked_again(monkeypatch):
+    """A busy slurmctld (the test cluster under load) fails a query now and then: the job's
+    state is asked again, not taken as UNKNOWN. Stands in for the controller: a timeout
+    cannot be made to happen on demand."""
+    from hpc_asyncppo.launch.slurm import cluster
+
+    answers = [
+        cluster.SlurmError("scontrol show job failed: Socket timed out on send/recv operation"),
+        "JobId=7 JobState=RUNNING Reason=None\n",
+    ]
+
+    def client(command: list[str], timeout_s: float = 30.0) -> str:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(cluster, "run_client", client)
+    assert cluster.job_state("7", pause_s=0) == "RUNNING"
+    # a job the controller no longer knows goes to accounting at once
+    asked: list[list[str]] = []
+
+    def gone(command: list[str], timeout_s: float = 30.0) -> str:
+        asked.append(command)
+        if command[0] == "scontrol":
+            raise cluster.SlurmError("scontrol show job failed: Invalid job id specified")
+        return "7|COMPLETED\n"
+
+    monkeypatch.setattr(cluster, "run_client", gone)
+    assert cluster.job_state("7", pause_s=0) == "COMPLETED"
+    assert [c[0] for c in asked] == ["scontrol", "sacct"]

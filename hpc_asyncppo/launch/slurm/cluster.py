@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 
 # A job in one of these states may still run; any other state is final.
@@ -113,14 +114,21 @@ def parse_job_states(text: str) -> list[str]:
     return [_fields(line)["JobState"] for line in text.splitlines() if "JobState=" in line]
 
 
-def job_state(job_id: str) -> str:
-    """The job's state; UNKNOWN when neither scontrol nor sacct knows it any more."""
-    try:
-        return combine_states(
-            parse_job_states(run_client(["scontrol", "show", "job", "-o", job_id]))
-        )
-    except SlurmError:
-        pass
+def job_state(job_id: str, tries: int = 3, pause_s: float = 2.0) -> str:
+    """The job's state; UNKNOWN when neither scontrol nor sacct knows it any more.
+
+    A controller too busy to answer (a timeout, a refused socket: seen under load on the
+    local cluster, where a test's wait then ended with UNKNOWN while the job ran) is asked
+    again, ``tries`` times in all; only a job it no longer knows goes to sacct."""
+    for attempt in range(tries):
+        try:
+            return combine_states(
+                parse_job_states(run_client(["scontrol", "show", "job", "-o", job_id]))
+            )
+        except SlurmError as exc:
+            if "Invalid job id" in str(exc) or attempt + 1 == tries:
+                break
+            time.sleep(pause_s)
     try:
         out = run_client(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", job_id])
     except SlurmError:
