@@ -175,9 +175,9 @@ def close(
         steps = read_jsonl(run_dir / METRICS)
         if steps and (row["end_step"] is None or steps[-1]["step"] > row["end_step"]):
             row["end_step"] = steps[-1]["step"]
-    if failure is not None:
-        row["failure"] = failure
     elif stopped_by and str(row["reason"]).startswith("signal "):
         row["reason"] = f"signal {stopped_by}"
+    if failure is not None:
+        row["failure"] = failure
     row.update(end=end, wall_s=end - row["start"])
     _write(run_dir, rows)
