@@ -242,11 +242,13 @@ class TrainerConfig:
     )
     test_freq: int = 0  # validate on data.val every this many steps; 0: never
     val_before_train: bool = True  # with test_freq: also validate the initial weights (step 0)
-    # A local job that fails for a reason other than its input (a rank killed, a crash,
-    # a named hang) is started again from its newest checkpoint, at most this many times
-    # per submit; a crash loop (the same failure at the same step twice) stops it sooner.
+    # A job that fails for a reason other than its input (a rank killed, a crash, a named
+    # hang) is started again from its newest checkpoint, at most this many times per
+    # submit (locally) or per Slurm job (requeued); a crash loop (the same failure with no
+    # checkpoint between) stops it sooner. launch/restarts.py
     max_restarts: int = 3
-    restart_backoff_s: float = 10.0  # before the first restart; doubled before each next
+    # local: before the first restart; doubled before each next (Slurm: its requeue delay)
+    restart_backoff_s: float = 10.0
 
 
 @dataclass

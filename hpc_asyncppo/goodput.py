@@ -14,7 +14,7 @@ last time the run directory shows activity (the newest metrics, timeline or log 
 Each row::
 
     attempt            0, 1, 2, ...
-    slurm_restart_count  SLURM_RESTART_COUNT, when under Slurm
+    slurm_job_id, slurm_restart_count  SLURM_JOB_ID and SLURM_RESTART_COUNT, when under Slurm
     start, end         wall times (the launcher's start; its last act)
     wall_s             end - start
     requeue_wait_s     start - the previous attempt's end (0 for the first)
@@ -24,6 +24,9 @@ Each row::
     end_step, reason   the step it reached, and how it ended (finished, a signal, failed,
                        killed)
     failure            a failed attempt's failed ranks, one line each, as the launcher tells them
+    failure_checkpoint the step of the newest checkpoint when it failed (0: none yet)
+    restarted          whether its launcher started the job again after the failure
+                       (launch/restarts.py)
     stop_latency_s     from the stop signal to the durable checkpoint (a signal's end)
     tokens_regenerated response tokens of cut groups generated again in this attempt
 
@@ -92,8 +95,6 @@ class Attempt:
             kept_until = max(previous["start"], checkpoint_time or previous["start"])
             lost = max(0.0, previous["end"] - kept_until)
         self.row = _new_row(self.rows, start, resumed_step, "running", round(lost, 3))
-        if "SLURM_RESTART_COUNT" in os.environ or "SLURM_JOB_ID" in os.environ:
-            self.row["slurm_restart_count"] = int(os.environ.get("SLURM_RESTART_COUNT", 0))
         self.rows.append(self.row)
         _write(run_dir, self.rows)
 
@@ -138,8 +139,15 @@ def _new_row(
     """The row of an attempt that starts at ``start``, after ``rows``; no end yet."""
     previous = rows[-1] if rows else None
     waited = start - previous["end"] if previous and previous.get("end") is not None else 0.0
+    slurm = {}
+    if "SLURM_JOB_ID" in os.environ:
+        slurm = {
+            "slurm_job_id": os.environ["SLURM_JOB_ID"],
+            "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
+        }
     return {
         "attempt": len(rows),
+        **slurm,
         "start": start,
         "end": None,
         "wall_s": None,
@@ -158,12 +166,13 @@ def close(
     start: float,
     end: float,
     stopped_by: str | None = None,
-    failure: list[str] | None = None,
+    failure: dict | None = None,
 ) -> None:
     """The launcher's last act for an attempt: the attempt it started at ``start`` ends at
     ``end``. Its row takes that end; a stop signal's name (``stopped_by``, the one the
     launcher received, not the USR2 it forwarded); "failed" if the leader never ended it,
-    with the failed ranks' lines (``failure``) and the last step logged. An attempt
+    with the last step logged and ``failure``'s fields (``restarts.Failure.record``: the
+    failed ranks' lines, the newest checkpoint, whether it was restarted). An attempt
     whose leader never wrote a row (the job failed before) gets one."""
     rows = read_attempts(run_dir)
     row = rows[-1] if rows else None
@@ -178,6 +187,6 @@ def close(
     elif stopped_by and str(row["reason"]).startswith("signal "):
         row["reason"] = f"signal {stopped_by}"
     if failure is not None:
-        row["failure"] = failure
+        row.update(failure)
     row.update(end=end, wall_s=end - row["start"])
     _write(run_dir, rows)

@@ -26,6 +26,9 @@ Created before any rank starts (``launch/rundir.py``), read by every rank and by
   RUN_DIR/overflow.h5             OVERFLOW   the trainer's sample queue beyond its memory limit
   RUN_DIR/preempted               PREEMPTED  present while the run is stopped on a signal with
                                              a checkpoint, to resume
+  RUN_DIR/restart                 RESTART    left by a failed Slurm attempt that is to start
+                                             again: the batch script requeues the job
+                                             (launch/restarts.py)
   RUN_DIR/hf_final/               HF_FINAL   the final checkpoint as a Hugging Face folder
                                              (checkpoint.save_hf_final)
   RUN_DIR/report.png              REPORT     ``python -m hpc_asyncppo.report``'s image
@@ -53,5 +56,6 @@ GOODPUT = "goodput.jsonl"
 CHECKPOINTS = "checkpoints"
 OVERFLOW = "overflow.h5"
 PREEMPTED = "preempted"
+RESTART = "restart"
 HF_FINAL = "hf_final"
 REPORT = "report.png"

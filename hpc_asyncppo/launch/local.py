@@ -134,12 +134,13 @@ def run_local(cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int) 
         failure = restarts.Failure.of(
             run_dir, explain_failure(run_dir, rollout_ranks, log_path.read_text())
         )
-        goodput.close(run_dir, started, time.time(), stopped_by, list(failure.lines))
-        if received:  # asked to stop: never restarted
-            return _failed(run_dir, log_path, code, failure)
         why_not = restarts.why_not_restart(
             failure, previous, restarts_done, cfg.trainer.max_restarts
         )
+        restart = why_not is None and not received  # asked to stop: never restarted
+        goodput.close(run_dir, started, time.time(), stopped_by, failure.record(restart))
+        if received:
+            return _failed(run_dir, log_path, code, failure)
         if why_not is not None:
             return _failed(run_dir, log_path, code, failure, f", not restarted: {why_not}")
         wait_s = restarts.backoff_s(cfg.trainer.restart_backoff_s, restarts_done)

@@ -15,9 +15,14 @@ exactly-once audit holds across the attempts as it does across preemptions. Not 
   batch triggers, a reward function that fails on some input), named, instead of
   spending every restart on it. Failures with progress saved between them are retried:
   a node lost twice in a day is not a loop.
-- more than ``trainer.max_restarts`` restarts in one launcher.
+- more than ``trainer.max_restarts`` restarts in one launcher (a ``submit`` locally, a
+  Slurm job under Slurm).
 
-What the launcher keeps in memory: the failure of the attempt before (its lines, its step).
+Locally ``submit`` runs the attempts one after another (``launch/local.py``) and keeps the
+failure of the attempt before in memory. Under Slurm each attempt is a new run of the batch
+script: its step wrapper (``launch/slurm/step.py``) reads the attempts before from
+goodput.jsonl (``slurm_decision``) and, to restart, leaves ``RUN_DIR/restart`` for the
+script, which requeues the job as it does after a preemption.
 """
 
 from __future__ import annotations
@@ -62,6 +67,23 @@ class Failure:
         checkpoint = int(re.findall(r"\d{8,}", newest[0].name)[0]) if newest else 0
         return cls(tuple(lines), int(rows[-1]["step"]) if rows else 0, checkpoint)
 
+    @classmethod
+    def from_row(cls, row: dict) -> Failure | None:
+        """The failure a goodput.jsonl row recorded (``record``), or None."""
+        if not row.get("failure"):
+            return None
+        return cls(
+            tuple(row["failure"]), int(row.get("end_step") or 0), int(row["failure_checkpoint"])
+        )
+
+    def record(self, restarted: bool) -> dict:
+        """Its fields for the attempt's goodput.jsonl row (``goodput.close``)."""
+        return {
+            "failure": list(self.lines),
+            "failure_checkpoint": self.checkpoint,
+            "restarted": restarted,
+        }
+
     def signature(self) -> frozenset[str]:
         """The lines without what differs between two attempts failing the same way (pids,
         addresses)."""
@@ -104,6 +126,17 @@ def why_not_restart(
     if restarts_done >= max_restarts:
         return f"trainer.max_restarts={max_restarts} restarts made"
     return None
+
+
+def slurm_decision(
+    failure: Failure, rows: list[dict], start: float, job_id: str | None, max_restarts: int
+) -> str | None:
+    """``why_not_restart`` for the attempt of Slurm job ``job_id`` that started at ``start``,
+    from goodput.jsonl's ``rows``: the restarts this job made, the attempt before's failure."""
+    earlier = [row for row in rows if row["start"] < start - 1e-3]
+    done = sum(1 for row in earlier if row.get("slurm_job_id") == job_id and row.get("restarted"))
+    previous = Failure.from_row(earlier[-1]) if earlier and earlier[-1].get("restarted") else None
+    return why_not_restart(failure, previous, done, max_restarts)
 
 
 def backoff_s(base_s: float, restarts_done: int) -> float:

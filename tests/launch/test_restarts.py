@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from hpc_asyncppo.launch.restarts import Failure, archive_errors, backoff_s, why_not_restart
+from hpc_asyncppo.launch.restarts import (
+    Failure,
+    archive_errors,
+    backoff_s,
+    slurm_decision,
+    why_not_restart,
+)
 from hpc_asyncppo.launch.rundir import rank_errors, write_rank_error
 
 KILLED = "rank 1 (rollout, n1, pid {pid}) died: killed by signal 9 (SIGKILL)"
@@ -97,3 +103,33 @@ def test_a_failed_attempts_errors_are_kept_apart_from_the_next_ones(tmp_path):
     archive_errors(tmp_path, 1)
     archive_errors(tmp_path, 2)  # nothing recorded: nothing moved
     assert sorted(p.name for p in (tmp_path / "errors").iterdir()) == ["attempt0", "attempt1"]
+
+
+def row(start: float, job: str, failure: Failure | None = None, restarted: bool = False) -> dict:
+    """A goodput.jsonl row of a Slurm attempt, as goodput.close leaves a failed one."""
+    out = {"start": start, "end": start + 50, "slurm_job_id": job, "end_step": 0}
+    if failure is not None:
+        out.update(failure.record(restarted), end_step=failure.step)
+    return out
+
+
+def test_a_slurm_attempt_is_judged_from_the_attempts_goodput_recorded():
+    """Under Slurm every attempt is a new batch script: what the local launcher keeps in
+    memory (the failure before, the restarts made) comes from goodput.jsonl's rows."""
+    killed = Failure((KILLED.format(pid=1),), step=12, checkpoint=10)
+    assert Failure.from_row(row(0, "7", killed, True)) == killed
+    assert Failure.from_row(row(0, "7")) is None
+    # this attempt (start 300) may already have its row (the leader's): not an earlier one
+    rows = [row(0, "7", killed, True), row(100, "7"), row(300, "7")]
+    again = Failure((KILLED.format(pid=2),), step=13, checkpoint=10)
+    assert slurm_decision(again, rows, 300, "7", 3) is None  # a preemption came between
+    rows = [row(0, "7", killed, True), row(300, "7")]
+    assert "crash loop" in slurm_decision(again, rows, 300, "7", 3)
+    moved_on = Failure((KILLED.format(pid=2),), step=25, checkpoint=20)
+    assert slurm_decision(moved_on, rows, 300, "7", 3) is None
+    assert slurm_decision(moved_on, rows, 300, "7", 1) == "trainer.max_restarts=1 restarts made"
+    # restarts are counted per job: a resubmitted run (another job id) starts again from 0
+    assert slurm_decision(moved_on, rows, 300, "8", 1) is None
+    # a failure the launcher did not restart (stopped, final) is no loop's first half
+    rows = [row(0, "7", killed, False), row(300, "7")]
+    assert slurm_decision(again, rows, 300, "7", 3) is None

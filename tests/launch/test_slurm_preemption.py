@@ -1,16 +1,21 @@
-"""Preemption on the real local Slurm cluster: the warning signal and a requeue.
+"""Preemption and a crash on the real local Slurm cluster: the job requeues itself.
 
-A fully asynchronous run is interrupted twice: once by ``scancel --signal=USR2`` (what Slurm
-sends before the time limit: the ranks checkpoint, exit, and the batch script requeues the
-job) and once by ``scontrol requeue`` (what a preempting scheduler does: SIGTERM, then the
-job starts again). Each time the job resumes on its own, and at the end every sample was
-trained at most once, none was lost, and the run trained as many as an uninterrupted one.
+A fully asynchronous run is interrupted three times: by ``scancel --signal=USR2`` (what
+Slurm sends before the time limit: the ranks checkpoint, exit, and the batch script
+requeues the job), by ``scontrol requeue`` (what a preempting scheduler does: SIGTERM, then
+the job starts again), and by a SIGKILL of the trainer leader (a crash: the step fails,
+its wrapper judges it worth a restart and the batch script requeues the job,
+``launch/restarts.py``). Each time the job resumes on its own, and at the end every sample
+was trained at most once, none was lost, and the run trained as many as an uninterrupted
+one.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -77,8 +82,8 @@ def start_now(job_id: str) -> None:
     wait_for(started, f"job {job_id} to start again")
 
 
-def interrupt_twice(run_dir: Path) -> str:
-    """Submit, interrupt by the warning signal, then by a requeue; the job id."""
+def interrupt_three_times(run_dir: Path) -> str:
+    """Submit, interrupt by the warning signal, by a requeue, then by a crash; the job id."""
     cmd = [
         sys.executable, "-m", "hpc_asyncppo.submit", "--config", "local-slurm", "--run-dir", str(run_dir),
         f"trainer.total_steps={STEPS}", "checkpoint.save_every=6", "actor.ppo_mini_batch_size=4",
@@ -104,6 +109,15 @@ def interrupt_twice(run_dir: Path) -> str:
         subprocess.run(["scontrol", "requeue", job_id], check=True)
         start_now(job_id)
         wait_for(lambda: restarts(run_dir) >= 2, "the requeued job to resume", run_dir=run_dir)
+        resumed_at = steps_logged(run_dir)
+        wait_for(
+            lambda: steps_logged(run_dir) >= resumed_at + 7, "progress after the second resume"
+        )
+        leader = json.loads((run_dir / "ranks" / "rank2.json").read_text())
+        os.kill(leader["pid"], signal.SIGKILL)
+        wait_for(lambda: (run_dir / "restart").exists(), "the step wrapper to ask for a requeue")
+        start_now(job_id)
+        wait_for(lambda: restarts(run_dir) >= 3, "the crashed job to resume", run_dir=run_dir)
         wait_for(lambda: job_state(job_id) not in ACTIVE_STATES, "the job to finish", timeout_s=300)
     finally:
         if job_state(job_id) in ACTIVE_STATES:
@@ -113,8 +127,21 @@ def interrupt_twice(run_dir: Path) -> str:
 
 def test_warning_signal_and_requeue_resume_with_every_sample_once(shared_dir: Path) -> None:
     run_dir = shared_dir / "run"
-    job_id = interrupt_twice(run_dir)
+    job_id = interrupt_three_times(run_dir)
     assert job_state(job_id) == "COMPLETED"
+    attempts = read_jsonl(run_dir / "goodput.jsonl")
+    assert [a["reason"] for a in attempts] == [
+        "signal SIGUSR2", "signal SIGTERM", "failed", "finished"
+    ], attempts  # fmt: skip
+    assert [a["slurm_restart_count"] for a in attempts] == [0, 1, 2, 3]
+    # the crash: srun's report names the killed task, the wrapper restarted the job, which
+    # resumed from a checkpoint and lost the work after it
+    crashed = attempts[2]
+    assert crashed["restarted"] is True, crashed
+    assert "srun reported task 0 of its het component on node n2: Killed" in crashed["failure"]
+    assert attempts[3]["resumed_step"] == crashed["failure_checkpoint"] > 0
+    assert attempts[3]["lost_s"] > 0
+    assert not (run_dir / "restart").exists()
 
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))

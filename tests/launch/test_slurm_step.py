@@ -135,3 +135,58 @@ def test_wrapper_forwards_sigterm_to_srun_and_returns_its_status(tmp_path: Path)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30.0) == 0
     assert got.read_text().strip() == "TERM"
+
+
+def test_a_failed_step_requeues_the_job_until_the_failure_repeats(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The wrapper as the batch script runs it, after a failed srun: the first failure
+    leaves RUN_DIR/restart (the script then requeues) and exits 0; the same failure in the
+    requeued attempt, with no checkpoint between, is a crash loop: passed on, no marker.
+    The job's state is the one thing not asked of a real Slurm here (the requeue itself,
+    on the local cluster: test_slurm_preemption.py)."""
+    from hpc_asyncppo.goodput import read_attempts
+    from hpc_asyncppo.launch.rundir import write_rank_error
+    from hpc_asyncppo.launch.slurm import cluster
+    from hpc_asyncppo.launch.slurm.submit import task_deaths
+
+    (tmp_path / "config.yaml").write_text(to_yaml(Config()))
+    (tmp_path / "slurm").mkdir()
+    monkeypatch.setattr(cluster, "job_state", lambda job_id: "RUNNING")
+    for key, value in JOB_ENV.items():
+        monkeypatch.setenv(key, value)
+    srun = ["sh", "-c", "echo 'srun: error: n2: task 0: Killed' >&2; exit 1"]
+    log = tmp_path / "slurm" / "41_0_log.err"
+
+    def attempt(restart_count: int) -> int:
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart_count))
+        monkeypatch.setenv("HPC_ASYNCPPO_ATTEMPT_START", repr(time.time()))
+        write_rank_error(tmp_path, 1, "rank 1 (rollout, n1): RuntimeError: CUDA error")
+        code = step.main([str(tmp_path), *srun])
+        log.open("a").write(capfd.readouterr().err)  # the job's log, one per attempt
+        return code
+
+    assert attempt(0) == 0
+    assert (tmp_path / "restart").exists()
+    assert "requeueing it to start again from its newest checkpoint" in log.read_text()
+    assert (tmp_path / "errors" / "attempt0" / "rank1.txt").exists()
+    [first] = read_attempts(tmp_path)
+    assert first["reason"] == "failed" and first["restarted"] is True
+    assert first["failure"] == [
+        "rank 1 (rollout, n1): RuntimeError: CUDA error",
+        "srun reported task 0 of its het component on node n2: Killed",
+    ]
+    time.sleep(0.01)
+    assert attempt(1) == 1
+    assert not (tmp_path / "restart").exists()
+    assert "not requeued: a crash loop" in log.read_text()
+    rows = read_attempts(tmp_path)
+    assert [r["restarted"] for r in rows] == [True, False]
+    assert [r["slurm_restart_count"] for r in rows] == [0, 1]
+    # what submit --wait prints: the last attempt's deaths, not every attempt's
+    assert task_deaths(tmp_path, "41") == ["task 0 of its het component on node n2: Killed"]
+    # a job cancelled meanwhile (scancel ends the step, no signal reaches the wrapper); the
+    # attempt before was not restarted, so this is no loop's second half
+    monkeypatch.setattr(cluster, "job_state", lambda job_id: "CANCELLED")
+    assert attempt(2) == 1
+    assert "not requeued: the job is CANCELLED" in log.read_text()

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from hpc_asyncppo.launch.slurm.options import ComponentConfig, SlurmConfig
-from hpc_asyncppo.paths import CONFIG, PREEMPTED, SLURM
+from hpc_asyncppo.paths import CONFIG, PREEMPTED, RESTART, SLURM
 
 RANK_MODULE = "hpc_asyncppo.rank"
 STEP_MODULE = "hpc_asyncppo.launch.slurm.step"
@@ -139,9 +139,11 @@ def srun_command(cfg: SlurmConfig) -> str:
 
 REQUEUE = f"""\
 # On the warning signal (slurm.signal) or a preemption the ranks checkpoint and exit 0,
-# leaving RUN_DIR/preempted: requeue the whole job (a hetjob requeues from its leader);
-# when it starts again the ranks resume from that checkpoint.
-if [ -f "$HPC_ASYNCPPO_RUN_DIR/{PREEMPTED}" ]; then
+# leaving RUN_DIR/{PREEMPTED}; after a failure that is not the input's (a rank killed, a
+# node lost) the step wrapper leaves RUN_DIR/{RESTART} and exits 0 (trainer.max_restarts).
+# Either way requeue the whole job (a hetjob requeues from its leader); when it starts
+# again the ranks resume from the newest checkpoint.
+if [ -f "$HPC_ASYNCPPO_RUN_DIR/{PREEMPTED}" ] || [ -f "$HPC_ASYNCPPO_RUN_DIR/{RESTART}" ]; then
     scontrol requeue "$SLURM_JOB_ID"
 fi"""
 

@@ -14,6 +14,13 @@ and restart count). Once the step has ended, because every rank wrote a final st
 a rank failed or died, srun gets ``timeouts.step_exit_s`` to exit; after that it is
 terminated, and the wrapper exits 0 if every rank finished ("done"), 1 otherwise. When
 srun exits by itself, which is the normal case, its exit status is passed on unchanged.
+
+A step that failed, without a stop signal or a preemption's checkpoint, is judged by
+``launch/restarts.py`` as a local launcher judges a failed attempt: to start again, the
+wrapper records the failure in goodput.jsonl, moves the ranks' error records aside,
+leaves RUN_DIR/restart and exits 0, and the batch script requeues the job; Slurm's delay
+before a requeued job may start again is the back-off. Otherwise it says why not and
+passes the failure on.
 """
 
 from __future__ import annotations
@@ -31,13 +38,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpc_asyncppo import goodput
-from hpc_asyncppo.paths import CONFIG, RANKS
+from hpc_asyncppo.launch import restarts
+from hpc_asyncppo.launch.rundir import rank_errors
+from hpc_asyncppo.paths import CONFIG, PREEMPTED, RANKS, RESTART
 
 POLL_S = 1.0
 TERMINATE_WAIT_S = 15.0  # after SIGTERM, before SIGKILL
 # Starts the line the wrapper writes to the job's stderr when it ends srun itself; srun's
 # reports of tasks killed after it are the wrapper's doing, not deaths.
 ENDING_SRUN = "hpc_asyncppo step: srun has not exited"
+# Starts the line the wrapper writes to the job's stderr before it starts srun: the job's
+# log holds every attempt of a requeued job, and what follows the last such line is this
+# attempt's.
+STARTING_SRUN = "hpc_asyncppo step: starting srun"
 
 # srun's report of a task that died (not of those it then terminated itself), e.g.
 # "srun: error: n1: task 1: Killed"; task numbers count within each het component.
@@ -105,15 +118,41 @@ class StepWatch:
         return None
 
 
-def run_step(command: list[str], watch: StepWatch, exit_grace_s: float) -> int:
-    """Run ``command`` (srun); returns its exit status, or ours if it had to be ended."""
+def run_step(
+    command: list[str], watch: StepWatch, exit_grace_s: float, received: list[int] | None = None
+) -> int:
+    """Run ``command`` (srun); returns its exit status, or ours if it had to be ended.
+    ``received``: the signals the wrapper forwarded to srun, appended as they come."""
+    received = [] if received is None else received
+    print(
+        f"{STARTING_SRUN} (job {watch.job_id}, restart count {watch.restart_count})",
+        file=sys.stderr,
+        flush=True,
+    )
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace")
     reader = threading.Thread(target=_copy_stderr, args=(proc, watch), daemon=True)
     reader.start()
+
     # A signal meant for the batch script (scancel --batch, a preemption) goes on to srun,
     # which passes it to the ranks; the wrapper itself keeps waiting for srun.
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda signum, frame: _forward(proc, signum))
+    def forward(signum: int, frame: object) -> None:
+        received.append(signum)
+        _forward(proc, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
+    try:
+        return _wait(proc, reader, watch, exit_grace_s)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _wait(
+    proc: subprocess.Popen, reader: threading.Thread, watch: StepWatch, exit_grace_s: float
+) -> int:
     ended_at: float | None = None
     while proc.poll() is None:
         time.sleep(POLL_S)
@@ -160,20 +199,54 @@ def _end(proc: subprocess.Popen) -> None:
         proc.wait(timeout=TERMINATE_WAIT_S)
 
 
-def _exit_grace(run_dir: Path) -> float:
-    from hpc_asyncppo.config import load_resolved
+def after_failure(
+    run_dir: Path, watch: StepWatch, code: int, start: float, max_restarts: int
+) -> int:
+    """Close a failed attempt's goodput row and requeue the job or not (``restarts.py``);
+    the wrapper's exit status: 0 to requeue (RUN_DIR/restart left for the batch script),
+    else ``code``."""
+    lines = rank_errors(run_dir) + [f"srun reported {death}" for death in watch.deaths]
+    failure = restarts.Failure.of(run_dir, lines or [f"the step failed (exit status {code})"])
+    why_not = restarts.slurm_decision(
+        failure, goodput.read_attempts(run_dir), start, watch.job_id, max_restarts
+    )
+    if why_not is None and watch.job_id:
+        from hpc_asyncppo.launch.slurm.cluster import job_state
 
-    return load_resolved(run_dir / CONFIG).timeouts.step_exit_s
+        state = job_state(watch.job_id)  # scancel ends the step without a signal to us
+        if state not in ("RUNNING", "COMPLETING"):
+            why_not = f"the job is {state}"
+    goodput.close(run_dir, start, time.time(), failure=failure.record(why_not is None))
+    if why_not is not None:
+        print(f"hpc_asyncppo step: the job failed; not requeued: {why_not}", file=sys.stderr)
+        return code
+    restarts.archive_errors(run_dir, len(goodput.read_attempts(run_dir)) - 1)
+    (run_dir / RESTART).write_text(json.dumps({"step": failure.step, "failure": lines}) + "\n")
+    print(
+        f"hpc_asyncppo step: the job failed at step {failure.step}; requeueing it to start "
+        f"again from its newest checkpoint (trainer.max_restarts={max_restarts})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 0
 
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
         print("usage: python -m hpc_asyncppo.launch.slurm.step RUN_DIR COMMAND...", file=sys.stderr)
         return 2
+    from hpc_asyncppo.config import load_resolved
+
     run_dir = Path(argv[0]).resolve()
+    cfg = load_resolved(run_dir / CONFIG)
+    (run_dir / RESTART).unlink(missing_ok=True)  # the attempt before's request, now granted
     watch = StepWatch.from_env(run_dir, os.environ)
-    code = run_step(argv[1:], watch, _exit_grace(run_dir))
-    goodput.close(run_dir, goodput.attempt_start(), time.time())  # the attempt's end
+    received: list[int] = []
+    code = run_step(argv[1:], watch, cfg.timeouts.step_exit_s, received)
+    start = goodput.attempt_start()
+    if code != 0 and not received and not (run_dir / PREEMPTED).exists():
+        return after_failure(run_dir, watch, code, start, cfg.trainer.max_restarts)
+    goodput.close(run_dir, start, time.time())  # the attempt's end
     return code
 
 

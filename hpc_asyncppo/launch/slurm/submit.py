@@ -14,7 +14,7 @@ from hpc_asyncppo.launch.rundir import rank_errors
 from hpc_asyncppo.launch.slurm.cluster import ACTIVE_STATES, SlurmError, job_state
 from hpc_asyncppo.launch.slurm.executor import HetJobExecutor
 from hpc_asyncppo.launch.slurm.script import batch_script
-from hpc_asyncppo.launch.slurm.step import ENDING_SRUN, task_death
+from hpc_asyncppo.launch.slurm.step import ENDING_SRUN, STARTING_SRUN, task_death
 from hpc_asyncppo.paths import JOB_ID, METRICS, SLURM
 
 POLL_S = 2.0
@@ -100,12 +100,14 @@ def task_deaths(run_dir: Path, job_id: str) -> list[str]:
     err = log_path(run_dir, job_id).with_suffix(".err")
     if not err.exists():
         return []
-    deaths = []
+    deaths: list[str] = []
+    ended_by_wrapper = False
     for line in err.read_text(errors="replace").splitlines():
-        if line.startswith(ENDING_SRUN):
-            break  # tasks killed from here on were ended with srun by the step wrapper
-        death = task_death(line)
-        if death:
+        if line.startswith(STARTING_SRUN):  # an attempt: only the last one's deaths count
+            deaths, ended_by_wrapper = [], False
+        elif line.startswith(ENDING_SRUN):
+            ended_by_wrapper = True  # tasks killed from here on were ended with srun
+        elif not ended_by_wrapper and (death := task_death(line)):
             deaths.append(death)
     return deaths
 
