@@ -249,6 +249,10 @@ class TrainerConfig:
     max_restarts: int = 3
     # local: before the first restart; doubled before each next (Slurm: its requeue delay)
     restart_backoff_s: float = 10.0
+    # a rank whose heartbeat stops this long (SIGSTOPped, its node frozen, its interpreter
+    # held) is named and the attempt ended (then restarted); 0: not watched.
+    # runtime/heartbeat.py
+    stall_timeout_s: float = 300.0
 
 
 @dataclass
@@ -409,6 +413,7 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "trainer.total_steps": (1, False),
     "trainer.max_restarts": (0, False),
     "trainer.restart_backoff_s": (0, False),
+    "trainer.stall_timeout_s": (0, False),
     "trainer.weight_sync_bucket_mb": (1, False),
     "checkpoint.save_every": (0, False),
     "checkpoint.keep": (1, False),

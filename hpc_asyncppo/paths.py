@@ -11,6 +11,8 @@ Created before any rank starts (``launch/rundir.py``), read by every rank and by
                                              data.max_prompt_length (if any)
   RUN_DIR/ranks/rank{i}.json      RANKS      where each rank ran (host, Slurm partition, pid,
                                              GPUs) and its state
+  RUN_DIR/heartbeats/rank{i}.json  HEARTBEATS  each rank's count of beats and what it is doing
+                                             (runtime/heartbeat.py)
   RUN_DIR/errors/rank{i}.txt      ERRORS     one line per failed rank: what went wrong
   RUN_DIR/logs/                   LOGS       per-rank logs and the launcher's log
   RUN_DIR/slurm/                  SLURM      the batch job's output; slurm/job_id (JOB_ID) its id
@@ -41,6 +43,7 @@ LAUNCH = "launch.json"
 MODEL = "model"
 OVERLONG = "overlong_prompts.json"
 RANKS = "ranks"
+HEARTBEATS = "heartbeats"
 ERRORS = "errors"
 LOGS = "logs"
 SLURM = "slurm"

@@ -45,6 +45,7 @@ def main(argv: list[str]) -> int:
     from mpi4py import MPI
 
     from hpc_asyncppo.launch.rundir import write_rank_error, write_rank_info
+    from hpc_asyncppo.runtime import heartbeat
     from hpc_asyncppo.runtime.signals import install_stop_handlers
     from hpc_asyncppo.runtime.topology import ROLLOUT, role_of, rollout_rank_count
 
@@ -66,6 +67,7 @@ def main(argv: list[str]) -> int:
         from hpc_asyncppo.launch.gpus import bind_gpus
 
         cfg = load_resolved(run_dir / CONFIG)
+        heartbeat.start(run_dir, rank, cfg.trainer.stall_timeout_s)
         # Before anything initialises CUDA (transformers may, on import) and before vLLM
         # starts: torch and vLLM's workers read CUDA_VISIBLE_DEVICES only once.
         gpus = bind_gpus(
@@ -98,6 +100,7 @@ def main(argv: list[str]) -> int:
         startup.mark("checkpoint found")
         run_role(cfg, topo, run_dir, checkpoint)
         close_topology(topo)
+        heartbeat.stop()
         write_rank_info(run_dir, rank, size, role, "done", gpus)
         exit_now(MPI)
     except BaseException as exc:  # noqa: BLE001 - every failure must end the whole job

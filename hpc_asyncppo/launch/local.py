@@ -21,9 +21,14 @@ from hpc_asyncppo import goodput
 from hpc_asyncppo.config import Config, ConfigError
 from hpc_asyncppo.launch import restarts
 from hpc_asyncppo.launch.progress import follow
-from hpc_asyncppo.launch.rundir import rank_errors, read_rank_info, report_resume_point
+from hpc_asyncppo.launch.rundir import (
+    rank_errors,
+    read_rank_info,
+    report_resume_point,
+    write_rank_error,
+)
 from hpc_asyncppo.paths import LOGS, PREEMPTED
-from hpc_asyncppo.runtime import startup
+from hpc_asyncppo.runtime import heartbeat, startup
 
 # Set by an MPI runtime for its own processes: a launcher that inherits them (started from a
 # process that ran MPI_Init, or from inside a Slurm step) makes mpirun fail without a word.
@@ -105,6 +110,38 @@ class RankWarnings:
                 line = raw.decode(errors="replace").rstrip()
                 if line.startswith("warning: "):
                     print(line, file=sys.stderr, flush=True)
+
+
+class SilentRanks:
+    """The heartbeat watch of a local attempt (``runtime/heartbeat.py``): a rank that fell
+    silent gets its line as its error record and is killed (SIGKILL ends a stopped process
+    too); mpirun then ends the attempt as for any dead rank."""
+
+    CHECK_S = 1.0
+
+    def __init__(self, run_dir: Path, started: float, stall_timeout_s: float):
+        self.run_dir = run_dir
+        self.watch = heartbeat.Watch(run_dir, started, stall_timeout_s)
+        self.next_check = 0.0
+        self.ended = False
+
+    def end_if_silent(self) -> None:
+        now = time.monotonic()
+        if self.ended or now < self.next_check:
+            return
+        self.next_check = now + self.CHECK_S
+        lines = self.watch.silent(now)
+        if not lines:
+            return
+        self.ended = True
+        pids = {info["rank"]: info.get("pid") for info in read_rank_info(self.run_dir)}
+        for line in lines:
+            rank = int(line.split()[1])
+            print(f"{line}; ending the attempt", file=sys.stderr, flush=True)
+            write_rank_error(self.run_dir, rank, line)
+            if pids.get(rank):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pids[rank], signal.SIGKILL)
 
 
 def run_local(cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int) -> int:
@@ -262,9 +299,11 @@ def _run_mpirun(
         log.flush()
         previous = {sig: signal.signal(sig, ask_to_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         warnings = RankWarnings(log_path)
+        watch = SilentRanks(run_dir, started, cfg.trainer.stall_timeout_s)
 
         def running() -> bool:
             warnings.show()
+            watch.end_if_silent()
             return proc.poll() is None
 
         try:

@@ -52,7 +52,7 @@ from hpc_asyncppo.rollout.engine import RolloutEngine, make_engine
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup
 from hpc_asyncppo.rollout.validation import Validator
 from hpc_asyncppo.runlog import record_weight_digest, sent_groups_writer
-from hpc_asyncppo.runtime import startup
+from hpc_asyncppo.runtime import heartbeat, startup
 from hpc_asyncppo.runtime.signals import forget_stop, stop_requested
 from hpc_asyncppo.runtime.topology import Topology
 from hpc_asyncppo.tasks import Prompt, Task, load_task, tokenize_prompt
@@ -137,9 +137,11 @@ class Rollouter:
                 self.start_granted_groups()
                 self.validator.top_up()
             if not self.in_flight and not self.validator.in_flight:
+                heartbeat.doing(f"waiting for credits (weights version {self.version})")
                 self.wait_a_moment()
                 continue
             self._waiting_since = None
+            heartbeat.doing(f"generating under weights version {self.version}")
             self.step_and_send()
         self.finish_validation()  # a validation asked for before STOP reports
         if self.pending is not None:  # the leader finished its broadcast before STOP
@@ -159,6 +161,7 @@ class Rollouter:
             if kind == Control.CREDIT:  # value: the draw naming the prompt
                 self.granted.append(value)
             elif kind == Control.SYNC:
+                heartbeat.doing(f"receiving the weights of version {value}")
                 if self.inflight_updates and self.version >= 0:
                     self.load_pending_weights(wait=True)  # one sync at a time
                     self.pending = self.engine.receive_staged(self.staging)
@@ -169,6 +172,7 @@ class Rollouter:
                 update = self.engine.update_weights(value, self.record_digests)
                 self.weights_loaded(update, start, wall_start)
             elif kind == Control.CHECKPOINT:  # value: the step being checkpointed
+                heartbeat.doing(f"writing its part of the checkpoint of step {value}")
                 self.engine.interrupt()  # the groups in flight go into the part, cut
                 self.write_checkpoint_part(value)
             elif kind == Control.VALIDATE:  # value: the trainer step validated

@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.config import Config
+from hpc_asyncppo.runtime import heartbeat
 from hpc_asyncppo.runtime.topology import Topology
 from hpc_asyncppo.timeline import Timeline
 from hpc_asyncppo.trainer.batch import to_tensors
@@ -106,7 +107,9 @@ def run_follower(
     timeout = cfg.timeouts.sample_wait_s + cfg.timeouts.weight_sync_s + 2 * cfg.timeouts.rank_wait_s
     while True:
         wait_start = time.time()
+        heartbeat.doing("waiting for the trainer leader's next order")
         order, step, shard = next_order(topo.local, timeout)
+        heartbeat.doing(f"carrying out the leader's {order.value} order of step {step}")
         timeline.record("wait", wait_start, time.time(), step=step)
         if order is Order.STOP:
             timeline.close()

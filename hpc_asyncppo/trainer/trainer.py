@@ -35,7 +35,7 @@ from hpc_asyncppo.checkpoint.store import (
 )
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.paths import HF_FINAL, OVERFLOW, PREEMPTED
-from hpc_asyncppo.runtime import startup
+from hpc_asyncppo.runtime import heartbeat, startup
 from hpc_asyncppo.runtime.signals import stop_requested, stop_requested_at
 from hpc_asyncppo.runtime.topology import Topology
 from hpc_asyncppo.tasks import load_task
@@ -165,6 +165,7 @@ class TrainerLeader:
     def take_batch(self) -> Batch | None:
         """The next step's groups (``Intake.take``), its drops recorded; None on a stop."""
         waited_since, wall_start = time.monotonic(), time.time()
+        heartbeat.doing(f"waiting for samples for step {self.step + 1}")
         batch = self.intake.take(
             self.version,
             stop_requested,
@@ -183,6 +184,7 @@ class TrainerLeader:
         """One PPO update on ``batch``, every trainer rank on its shard; logged. None if a
         stop signal abandoned it before its optimizer step."""
         train_start = time.time()
+        heartbeat.doing(f"training step {self.step + 1} (with the other trainer ranks)")
         groups = batch.groups
         rewards = np.stack([advantages.trained_rewards(self.cfg, g) for g in groups])
         data = collate(groups, advantages.group_advantages(self.cfg, groups, rewards),
@@ -215,6 +217,7 @@ class TrainerLeader:
         waits for it). Otherwise each tensor is packed into the next bucket while the last
         is on the wire. ``last_sync_s`` is the last completed broadcast's time, to its last
         bucket's completion."""
+        heartbeat.doing(f"sending the weights as version {version}")
         start = time.time()
         self.finish_sync()  # one broadcast on the wire at a time
         broadcaster = self.weight_broadcaster()
@@ -270,6 +273,7 @@ class TrainerLeader:
         far (they continue afterwards, or after a resume). A step already saved is not saved
         again (a stop right after a periodic checkpoint): what was generated since is
         generated again after a resume, its prompts being handed out anew."""
+        heartbeat.doing(f"checkpointing step {self.step} ({reason})")
         folder = protocol.step_dir(self.run_dir, self.step)
         if (folder / protocol.MANIFEST).exists():
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -256,20 +257,25 @@ def wait_for(proc: subprocess.Popen, done, what: str, timeout_s: float = 180) ->
         time.sleep(0.2)
 
 
-def test_killed_ranks_restart_the_job_which_trains_every_sample_once(tmp_path):
-    """The rollout rank killed mid-run, then a trainer follower in the restarted attempt: the
-    launcher starts the job again from its newest checkpoint each time, and the run
-    finishes with every sample trained once and the failed attempts' lost work recorded."""
+def test_killed_and_stopped_ranks_restart_the_job_which_trains_every_sample_once(tmp_path):
+    """The rollout rank killed mid-run; in the restarted attempt a trainer follower stopped
+    (SIGSTOP: it never dies, its heartbeat stops); in the next one the rollout rank, the
+    leader's sync peer, stopped. Each time the attempt ends (the stopped ranks named
+    within trainer.stall_timeout_s and a few seconds), the launcher starts the job again
+    from its newest checkpoint, and the run finishes with every sample trained once and
+    the failed attempts' lost work recorded."""
     run_dir = tmp_path / "run"
-    steps = 12
+    steps, stall_s = 14, 10
     cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", "--run-dir", str(run_dir),
            "--rollout-ranks", "1", "--train-ranks", "2", "actor.ppo_mini_batch_size=4",
            "data.num_prompts=64", f"trainer.total_steps={steps}", "checkpoint.save_every=3",
            "trainer.restart_backoff_s=1", "timeouts.sample_wait_s=120",
+           f"trainer.stall_timeout_s={stall_s}",
            "data.reward_fn=tests.integration.faults:slow"]  # fmt: skip
     proc = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+    stopped: list[int] = []
     try:
 
         def pid_of(rank: int) -> int:
@@ -281,26 +287,44 @@ def test_killed_ranks_restart_the_job_which_trains_every_sample_once(tmp_path):
         def trained_to(step: int):
             return lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= step
 
+        def attempt_ends(count: int, after: float, within_s: float):
+            wait_for(proc, lambda: len(attempts()) == count, "the restart")
+            ended = attempts()[count - 2]["end"]
+            assert ended - after < within_s, (ended - after, attempts())
+
         wait_for(proc, trained_to(4), "the first attempt's fourth step")
         os.kill(pid_of(0), signal.SIGKILL)  # the rollout rank
         wait_for(proc, lambda: len(attempts()) == 2, "the restart")
-        resumed_at = attempts()[1]["resumed_step"]
-        wait_for(proc, trained_to(resumed_at + 4), "the second attempt's steps")
-        os.kill(pid_of(2), signal.SIGKILL)  # the trainer follower (1 is the leader)
+        for rank in (2, 0):  # a trainer follower (1 is the leader), then the rollout rank
+            resumed_at = attempts()[-1]["resumed_step"]
+            wait_for(proc, trained_to(resumed_at + 4), "the next attempt's steps")
+            stopped.append(pid_of(rank))
+            os.kill(stopped[-1], signal.SIGSTOP)
+            # named after stall_s, the attempt then ends as for a dead rank (a few seconds)
+            attempt_ends(len(attempts()) + 1, time.time(), stall_s + 15)
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 0, out + err
-    assert err.count("restarting it from its newest checkpoint") == 2, err
-    assert "rank 0 (rollout" in err and "rank 2 (trainer" in err, err
+    assert err.count("restarting it from its newest checkpoint") == 3, err
     rows = attempts()
-    assert [a["reason"] for a in rows] == ["failed", "failed", "finished"], rows
-    # each failed attempt's row names the rank killed (beside its peers' lost connections)
+    assert [a["reason"] for a in rows] == ["failed", "failed", "failed", "finished"], rows
+    # each failed attempt's row names the rank killed or stopped (beside its peers' lost
+    # connections), and a stopped rank's line says what it and the leader were doing
     assert any(x.startswith("rank 0 ") and "killed by signal 9" in x for x in rows[0]["failure"])
-    assert any(x.startswith("rank 2 ") and "killed by signal 9" in x for x in rows[1]["failure"])
+    [follower] = [x for x in rows[1]["failure"] if x.startswith("rank 2 ")]
+    assert "fell silent: no heartbeat for trainer.stall_timeout_s=10 s" in follower, follower
+    # what it last said it did (a beat every 2 s: a step, a sync, a checkpoint part...)
+    assert "its last beat said it was " in follower and "the trainer leader is" in follower
+    [rollout] = [x for x in rows[2]["failure"] if x.startswith("rank 0 ")]
+    assert "fell silent" in rollout and "the trainer leader is" in rollout, rollout
     # each restart resumed from a checkpoint and lost the work since it
-    assert rows[1]["resumed_step"] >= 3 and rows[2]["resumed_step"] > rows[1]["resumed_step"]
+    resumed = [a["resumed_step"] for a in rows]
+    assert resumed[1] >= 3 and resumed[1] < resumed[2] < resumed[3], rows
     assert all(a["lost_s"] > 0 for a in rows[1:]), rows
     # every sample trained exactly once, every group of the data order whole
     metrics = read_jsonl(run_dir / "metrics.jsonl")

@@ -15,6 +15,9 @@ a rank failed or died, srun gets ``timeouts.step_exit_s`` to exit; after that it
 terminated, and the wrapper exits 0 if every rank finished ("done"), 1 otherwise. When
 srun exits by itself, which is the normal case, its exit status is passed on unchanged.
 
+A rank that falls silent (its heartbeat stops for ``trainer.stall_timeout_s``:
+``runtime/heartbeat.py``) is recorded as that rank's error and srun is ended at once.
+
 A step that failed, without a stop signal or a preemption's checkpoint, is judged by
 ``launch/restarts.py`` as a local launcher judges a failed attempt: to start again, the
 wrapper records the failure in goodput.jsonl, moves the ranks' error records aside,
@@ -39,8 +42,9 @@ from pathlib import Path
 
 from hpc_asyncppo import goodput
 from hpc_asyncppo.launch import restarts
-from hpc_asyncppo.launch.rundir import rank_errors
+from hpc_asyncppo.launch.rundir import rank_errors, write_rank_error
 from hpc_asyncppo.paths import CONFIG, PREEMPTED, RANKS, RESTART
+from hpc_asyncppo.runtime import heartbeat
 
 POLL_S = 1.0
 TERMINATE_WAIT_S = 15.0  # after SIGTERM, before SIGKILL
@@ -75,6 +79,7 @@ class StepWatch:
     restart_count: str | None
     expected_ranks: int | None  # from the batch environment; a rank's world_size wins
     deaths: list[str] = field(default_factory=list)
+    heartbeats: heartbeat.Watch | None = None  # this attempt's (runtime/heartbeat.py)
 
     @classmethod
     def from_env(cls, run_dir: Path, env: Mapping[str, str]) -> StepWatch:
@@ -102,6 +107,13 @@ class StepWatch:
             ):
                 records.append(info)
         return records
+
+    def silent(self) -> list[str]:
+        """Lines naming the ranks that fell silent, each recorded as its rank's error."""
+        lines = self.heartbeats.silent() if self.heartbeats is not None else []
+        for line in lines:
+            write_rank_error(self.run_dir, int(line.split()[1]), line)
+        return lines
 
     def ended(self) -> tuple[str, bool] | None:
         """(why the step is over, whether every rank finished), or None while it runs."""
@@ -156,6 +168,13 @@ def _wait(
     ended_at: float | None = None
     while proc.poll() is None:
         time.sleep(POLL_S)
+        silent = watch.silent() if ended_at is None else []
+        if silent:  # a stopped rank never exits: srun is ended now, not after a grace
+            for line in silent:
+                print(f"hpc_asyncppo step: {line}; ending the step", file=sys.stderr, flush=True)
+            _end(proc)
+            reader.join(timeout=5.0)
+            return 1
         if ended_at is None:
             ended = watch.ended()
             if ended is not None:
@@ -240,10 +259,11 @@ def main(argv: list[str]) -> int:
     run_dir = Path(argv[0]).resolve()
     cfg = load_resolved(run_dir / CONFIG)
     (run_dir / RESTART).unlink(missing_ok=True)  # the attempt before's request, now granted
+    start = goodput.attempt_start()
     watch = StepWatch.from_env(run_dir, os.environ)
+    watch.heartbeats = heartbeat.Watch(run_dir, start, cfg.trainer.stall_timeout_s)
     received: list[int] = []
     code = run_step(argv[1:], watch, cfg.timeouts.step_exit_s, received)
-    start = goodput.attempt_start()
     if code != 0 and not received and not (run_dir / PREEMPTED).exists():
         return after_failure(run_dir, watch, code, start, cfg.trainer.max_restarts)
     goodput.close(run_dir, start, time.time())  # the attempt's end
