@@ -84,6 +84,9 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # vllm: GPUs (CPU workers) per rollout rank's engine
     gpu_memory_utilization: float = 0.5  # vllm on GPUs: GPU memory share for weights + KV
     cpu_kv_cache_gb: float = 1.0  # vllm on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE unless set)
+    # vllm: a decoding step that has not returned after this long (the engine process
+    # stopped or hung) kills the engine and fails its rank, naming it; 0: no limit
+    engine_stall_s: float = 300.0
     enforce_eager: bool = False  # vllm on GPUs: no CUDA graphs (always eager on CPU)
     max_num_seqs: int = 0  # vllm: most sequences in one engine step; 0: vLLM's default
     max_num_batched_tokens: int = 0  # vllm: most tokens in one engine step; 0: vLLM's default
@@ -414,6 +417,7 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "trainer.max_restarts": (0, False),
     "trainer.restart_backoff_s": (0, False),
     "trainer.stall_timeout_s": (0, False),
+    "rollout.engine_stall_s": (0, False),
     "trainer.weight_sync_bucket_mb": (1, False),
     "checkpoint.save_every": (0, False),
     "checkpoint.keep": (1, False),

@@ -29,6 +29,12 @@ Capacity (``rollout.*``, verl's names): ``max_num_seqs`` and ``max_num_batched_t
 per engine step (0: vLLM's defaults; chunked prefill stays on, so the token budget may be
 below the longest sequence), ``enable_prefix_caching``, ``enforce_eager`` (no CUDA graphs).
 
+Faults: a watch thread fails the waiting call when vLLM's engine process dies (vLLM's own
+client would wait on), and kills it when a decoding step has not returned for
+``rollout.engine_stall_s`` (the process stopped or hung: the rank's heartbeat goes on, so
+only this names it). The rank then fails with the reason, and the job restarts from its
+newest checkpoint (``launch/restarts.py``); the engine is not restarted inside the rank.
+
 Partial rollout: ``interrupt()`` aborts every running request and keeps its tokens and
 log-probs; the next ``step()`` after the weight update resubmits each one with its
 partial response appended to the prompt, so the rest is sampled under the new weights
@@ -38,6 +44,7 @@ weights version that sampled it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import multiprocessing.connection
@@ -110,6 +117,16 @@ def engine_kwargs(
     return kwargs
 
 
+def death_reason(proc) -> str:
+    """Why a ``multiprocessing`` process of the engine ended, for the rank's error."""
+    code = proc.exitcode
+    if code is not None and code < 0:
+        how = f"signal {signal.Signals(-code).name}"
+    else:
+        how = "exit code unknown" if code is None else f"exit code {code}"
+    return f"vLLM's engine process {proc.name} (pid {proc.pid}) died ({how})"
+
+
 class VLLMEngine:
     def __init__(
         self,
@@ -167,6 +184,8 @@ class VLLMEngine:
         self._sender: WeightBroadcaster | None = None  # standalone: this process sends
         self.standalone_bucket_mb = 64.0  # standalone: the sender's bucket size
         self.died: str | None = None  # why vLLM's engine process ended under us, if it did
+        self.stall_s = rollout.engine_stall_s  # a step waiting this long: the engine is stuck
+        self._step_since: float | None = None  # when the step now waiting began
         self._watched = threading.Event()  # set once ``died`` says why
         self._closing = False
         threading.Thread(target=self._watch, daemon=True, name="vllm-engine-watch").start()
@@ -218,7 +237,12 @@ class VLLMEngine:
         if not self.running:
             return []
         done = []
-        for out in self._engine_call(self.llm.step):
+        self._step_since = time.monotonic()
+        try:
+            outputs = self._engine_call(self.llm.step)
+        finally:
+            self._step_since = None
+        for out in outputs:
             if out.request_id not in self.running:
                 continue  # a straggler output of an aborted request
             key, j = self.running[out.request_id]
@@ -367,17 +391,16 @@ class VLLMEngine:
         if not procs:
             return
         by_sentinel = {p.sentinel: p for p in procs}
-        ready = multiprocessing.connection.wait(list(by_sentinel))
+        while not (ready := multiprocessing.connection.wait(list(by_sentinel), timeout=1.0)):
+            if self._closing:
+                return
+            self._kill_if_stalled(procs)
         if self._closing:
             return
         gone = by_sentinel[ready[0]]
         gone.join(timeout=5)  # vLLM's own monitor may be the one that reaps it
-        code = gone.exitcode
-        if code is not None and code < 0:
-            how = f"signal {signal.Signals(-code).name}"
-        else:
-            how = "exit code unknown" if code is None else f"exit code {code}"
-        self.died = f"vLLM's engine process {gone.name} (pid {gone.pid}) died ({how})"
+        if self.died is None:  # else: killed for a stall, which ``died`` already says
+            self.died = death_reason(gone)
         self._watched.set()
         client = self.llm.engine_core
         error = RuntimeError(self.died)
@@ -387,6 +410,23 @@ class VLLMEngine:
         queue = getattr(client, "outputs_queue", None)
         if queue is not None:
             queue.put_nowait(error)
+
+    def _kill_if_stalled(self, procs: list) -> None:
+        """A step waiting longer than ``rollout.engine_stall_s`` (the engine process
+        stopped, or hung in a kernel or a collective): kill the engine core, whose death
+        then fails the waiting step as any death does, with this reason."""
+        since = self._step_since
+        if self.stall_s <= 0 or since is None or time.monotonic() - since <= self.stall_s:
+            return
+        core = next((p for p in procs if p.name.startswith("EngineCore")), procs[0])
+        self.died = (
+            f"vLLM's engine process {core.name} (pid {core.pid}) returned no decoding step "
+            f"for rollout.engine_stall_s={self.stall_s:g} s with {len(self.running)} "
+            "requests running (stopped, or hung): killed it"
+        )
+        log.error("%s", self.died)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(core.pid, signal.SIGKILL)  # a stopped process too
 
     def _engine_call(self, call, *args):
         """``call(*args)`` on vLLM's engine; its death is raised as ``died`` says it."""

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -330,24 +332,52 @@ def test_greedy_groups_beside_sampled_ones_match_the_hf_engines_greedy(engine, m
         assert done[("sampled", i)].response_ids.shape == (N, RESPONSE_LENGTH)
 
 
-def test_a_dead_engine_process_fails_the_waiting_step(engine, model_dir):
-    """LAST in the module: it kills the module's engine. vLLM's engine core killed while
-    the engine generates: the step waiting for its output raises within seconds, naming the
-    process and the signal (vLLM's own client would wait on forever), and every later call
-    raises the same; closing the dead engine still returns."""
+def test_a_stopped_engine_process_is_killed_and_fails_the_waiting_step(engine, model_dir):
+    """LAST in the module: it ends the module's engine. vLLM's engine core stopped
+    (SIGSTOP) while the engine generates: after ``rollout.engine_stall_s`` without a
+    decoding step the engine kills it, and the step waiting for its output raises, naming
+    the process and the stall (vLLM's own client would wait on forever, and the rank's
+    heartbeat goes on: only this names it); every later call raises the same; closing the
+    dead engine still returns. A death's own reason: the test below."""
     policy = Policy(make_cfg(model_dir, 0.7), CPU)
     engine.load_weights({n: t.clone() for n, t in policy.named_weights()}, version=0)
     (core,) = [p for p in engine.engine_processes() if p.name.startswith("EngineCore")]
     prompt = engine.encode("3 1 4 =")
-    threading.Timer(0.5, os.kill, (core.pid, signal.SIGKILL)).start()
+    engine.stall_s = 3.0
+    threading.Timer(0.5, os.kill, (core.pid, signal.SIGSTOP)).start()
     deadline = time.monotonic() + 60
-    # the exit status is unknown when vLLM's own shutdown reaped the process first
-    died = rf"EngineCore\w* \(pid {core.pid}\) died \((signal SIGKILL|exit code unknown)\)"
-    with pytest.raises(RuntimeError, match=died):
-        for i in itertools.count():  # keep it generating until the kill lands
-            assert time.monotonic() < deadline, "no error 60 s after the engine core died"
+    stalled = (
+        rf"EngineCore\w* \(pid {core.pid}\) returned no decoding step for "
+        r"rollout.engine_stall_s=3 s with \d+ requests running \(stopped, or hung\): killed it"
+    )
+    with pytest.raises(RuntimeError, match=stalled):
+        for i in itertools.count():  # keep it generating until the stop lands
+            assert time.monotonic() < deadline, "no error 60 s after the engine core stopped"
             if not engine.in_flight:
                 engine.submit(i, prompt, N)
             engine.step()
-    with pytest.raises(RuntimeError, match=died):
+    core.join(timeout=10)
+    assert core.exitcode == -signal.SIGKILL
+    with pytest.raises(RuntimeError, match=stalled):
         engine.interrupt()  # the checkpoint's first call on a stop
+
+
+def test_a_dead_engine_process_is_named_with_its_signal_or_exit_code():
+    from hpc_asyncppo.rollout.vllm_engine import death_reason
+
+    proc = multiprocessing.get_context("spawn").Process(
+        target=time.sleep, args=(60,), name="EngineCore_0"
+    )
+    proc.start()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(timeout=30)
+    assert (
+        death_reason(proc)
+        == f"vLLM's engine process EngineCore_0 (pid {proc.pid}) died (signal SIGKILL)"
+    )
+    quits = multiprocessing.get_context("spawn").Process(
+        target=sys.exit, args=(3,), name="EngineCore_0"
+    )
+    quits.start()
+    quits.join(timeout=30)
+    assert death_reason(quits).endswith("died (exit code 3)")
