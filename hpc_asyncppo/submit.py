@@ -139,7 +139,7 @@ def write_atomically(files: dict[Path, str]) -> None:
         tmp.replace(path)
 
 
-def prepare(args: argparse.Namespace) -> tuple[Config, Path, int, int] | int:
+def prepare(args: argparse.Namespace) -> tuple[Config, Path, int, int, int | None] | int:
     """Config, run directory and rank counts, every check made and the run directory
     written; or the exit code of a dry run. Raises on bad input, having written nothing."""
     # A flag is a shortcut for a config key; an explicit key=value wins over it.
@@ -167,14 +167,15 @@ def prepare(args: argparse.Namespace) -> tuple[Config, Path, int, int] | int:
 
         return submit_slurm(cfg, run_dir, args)  # prints the script; writes nothing
     launch = {"cluster": args.cluster, "rollout_ranks": rollout_ranks, "train_ranks": train_ranks}
+    resume_step = None
     if args.resume is not None:
-        report_resume_point(run_dir)
+        resume_step = report_resume_point(run_dir)
         write_atomically(
             {run_dir / CONFIG: to_yaml(cfg), run_dir / LAUNCH: json.dumps(launch) + "\n"}
         )
     else:
         cfg = prepare_run_dir(cfg, run_dir, {LAUNCH: json.dumps(launch) + "\n"})
-    return cfg, run_dir, rollout_ranks, train_ranks
+    return cfg, run_dir, rollout_ranks, train_ranks, resume_step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if isinstance(prepared, int):
         return prepared
-    cfg, run_dir, rollout_ranks, train_ranks = prepared
+    cfg, run_dir, rollout_ranks, train_ranks, resume_step = prepared
     print(f"run directory: {run_dir}", flush=True)
     if args.cluster == "local":
         from hpc_asyncppo.launch.local import run_local
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             f"starting {rollout_ranks} rollout rank(s) and {train_ranks} trainer rank(s) under mpirun",
             flush=True,
         )
-        return run_local(cfg, run_dir, rollout_ranks, train_ranks)
+        return run_local(cfg, run_dir, rollout_ranks, train_ranks, resume_step)
     from hpc_asyncppo.launch.slurm.submit import submit_slurm
 
     return submit_slurm(cfg, run_dir, args)

@@ -218,6 +218,14 @@ def prune(run_dir: str | Path, keep: int) -> list[Path]:
 # --- finding and checking ------------------------------------------------------------------
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step of a checkpoint ``list_checkpoints`` found."""
+    m = _STEP_DIR.fullmatch(path.name) or _LEGACY.fullmatch(path.name)
+    if m is None:
+        raise ValueError(f"{path} is not a checkpoint of this project")
+    return int(m.group(1))
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Committed checkpoints (step folders with a manifest, and single files of the old
     format), newest first."""

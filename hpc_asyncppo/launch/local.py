@@ -144,14 +144,17 @@ class SilentRanks:
                     os.kill(pids[rank], signal.SIGKILL)
 
 
-def run_local(cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int) -> int:
+def run_local(
+    cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int, resume_step: int | None = None
+) -> int:
     """Run the job under mpirun, showing progress; returns the exit code for the CLI.
 
     Ctrl-C or SIGTERM asks the job to stop cleanly: the launcher sends mpirun SIGUSR2, which
     it forwards to every rank, and the trainer leader checkpoints at the next step boundary
     and stops the others. A second Ctrl-C kills the job at once.
 
-    A job that fails for a reason other than its input starts again from its newest
+    ``resume_step``: the step of the checkpoint a resumed run starts from (progress is shown
+    from there). A job that fails for a reason other than its input starts again from its newest
     checkpoint after a back-off, at most ``trainer.max_restarts`` times (``restarts.py``
     says what is retried); each attempt is a row of goodput.jsonl.
     """
@@ -162,7 +165,15 @@ def run_local(cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int) 
     for restarts_done in itertools.count():
         received: list[int] = []
         code = _run_mpirun(
-            cfg, run_dir, rollout_ranks, cmd, log_path, received, started, restarts_done > 0
+            cfg,
+            run_dir,
+            rollout_ranks,
+            cmd,
+            log_path,
+            received,
+            started,
+            resume_step,
+            restarts_done > 0,
         )
         stopped_by = signal.Signals(received[0]).name if received else None
         if code == 0:
@@ -200,7 +211,7 @@ def run_local(cfg: Config, run_dir: Path, rollout_ranks: int, train_ranks: int) 
             return 128 + signum
         restarts.archive_errors(run_dir, len(goodput.read_attempts(run_dir)) - 1)
         try:
-            report_resume_point(run_dir)
+            resume_step = report_resume_point(run_dir)
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -260,6 +271,7 @@ def _run_mpirun(
     log_path: Path,
     received: list[int],
     started: float,
+    resume_step: int | None,
     restarted: bool,
 ) -> int:
     """mpirun with the stop signals handled (``received``: those that came); its exit code."""
@@ -307,7 +319,7 @@ def _run_mpirun(
             return proc.poll() is None
 
         try:
-            follow(run_dir, running, cfg.trainer.total_steps, poll_s=0.25)
+            follow(run_dir, running, cfg.trainer.total_steps, poll_s=0.25, resume_step=resume_step)
             proc.wait()
             warnings.show()
         finally:

@@ -35,14 +35,29 @@ def postfix(row: dict) -> str:
 
 
 class MetricsTail:
-    """The complete rows appended to metrics.jsonl since the last read."""
+    """The complete rows appended to metrics.jsonl since the last read.
 
-    def __init__(self, path: Path):
-        self.path, self.offset = path, 0
+    A resume rewrites the file without the steps after its checkpoint (``runlog.
+    truncate_to_step``: a new file): the tail then reads it again from the start, skipping
+    the steps up to ``skip_through`` (the checkpoint's step when the caller knows it,
+    else the last step it returned), and goes on with the steps trained anew."""
+
+    def __init__(self, path: Path, skip_through: int | None = None):
+        self.path, self.offset, self.skip_through = path, 0, skip_through
+        self.file_id: tuple[int, int] | None = None
+        self.last_step = 0
 
     def new_rows(self) -> list[dict]:
-        if not self.path.exists():
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
             return []
+        skip = -1
+        file_id = (stat.st_dev, stat.st_ino)
+        if self.file_id is not None and (file_id != self.file_id or stat.st_size < self.offset):
+            self.offset = 0  # rewritten by a resume
+            skip = self.last_step if self.skip_through is None else self.skip_through
+        self.file_id = file_id
         rows = []
         with self.path.open("rb") as f:
             f.seek(self.offset)
@@ -51,9 +66,14 @@ class MetricsTail:
                     break  # a line still being written
                 self.offset += len(line)
                 try:
-                    rows.append(json.loads(line))
+                    row = json.loads(line)
                 except json.JSONDecodeError:
                     continue
+                if row.get("step", 0) > skip:
+                    rows.append(row)
+        for row in rows:
+            if not is_validation_row(row):
+                self.last_step = row["step"]
         return rows
 
 
@@ -119,11 +139,18 @@ def follow(
     total_steps: int,
     poll_s: float = 1.0,
     stream: TextIO | None = None,
+    resume_step: int | None = None,
 ) -> dict | None:
-    """Show progress until ``is_running()`` is false; returns the last metrics row seen."""
+    """Show progress until ``is_running()`` is false; returns the last metrics row seen.
+    ``resume_step``: the step of the checkpoint the run resumes from, if known (the
+    rows after it, of an attempt that failed, are not where the run resumes)."""
     stream = sys.stdout if stream is None else stream
-    tail = MetricsTail(run_dir / METRICS)
-    history = [r for r in tail.new_rows() if not is_validation_row(r)]  # a resumed run's
+    tail = MetricsTail(run_dir / METRICS, resume_step)
+    history = [  # a resumed run's
+        r
+        for r in tail.new_rows()
+        if not is_validation_row(r) and (resume_step is None or r["step"] <= resume_step)
+    ]
     last = history[-1] if history else None
     display = Bar(total_steps, stream) if stream.isatty() else PlainLines(total_steps, stream)
     display.start(last)

@@ -60,11 +60,11 @@ class Failure:
 
     @classmethod
     def of(cls, run_dir: Path, lines: list[str]) -> Failure:
-        from hpc_asyncppo.checkpoint.protocol import list_checkpoints
+        from hpc_asyncppo.checkpoint.protocol import checkpoint_step, list_checkpoints
 
         rows = read_jsonl(run_dir / METRICS)
         newest = list_checkpoints(run_dir)[:1]
-        checkpoint = int(re.findall(r"\d{8,}", newest[0].name)[0]) if newest else 0
+        checkpoint = checkpoint_step(newest[0]) if newest else 0
         return cls(tuple(lines), int(rows[-1]["step"]) if rows else 0, checkpoint)
 
     @classmethod

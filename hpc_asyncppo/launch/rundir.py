@@ -213,8 +213,9 @@ def error_line(text: str) -> str:
 _TRACEBACK = "Traceback (most recent call last):"
 
 
-def report_resume_point(run_dir: Path) -> None:
-    """Say which checkpoint the job will resume from, one line per broken one skipped;
+def report_resume_point(run_dir: Path) -> int:
+    """Say which checkpoint the job will resume from, one line per broken one skipped, and
+    return its step (0: none, the run starts over);
     ConfigError if there are checkpoints and none is complete (before any rank starts).
     Only the manifests are read (parts present, sizes): the ranks verify the data."""
     from hpc_asyncppo.checkpoint import protocol
@@ -228,9 +229,10 @@ def report_resume_point(run_dir: Path) -> None:
             print(f"warning: {exc}; trying an older checkpoint", file=sys.stderr)
             continue
         print(f"resuming from {folder}", flush=True)
-        return
+        return protocol.checkpoint_step(folder)
     if found:
         raise ConfigError(
             f"no valid checkpoint in {run_dir / CHECKPOINTS} (see the warnings above)"
         )
     print(f"no checkpoint in {run_dir}: starting it over", flush=True)
+    return 0

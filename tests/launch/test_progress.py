@@ -111,3 +111,41 @@ def test_validation_rows_get_their_own_line_and_sit_beside_the_bar(tmp_path: Pat
     terminal = Terminal()
     follow(tmp_path, appending_rows(tmp_path / METRICS, rows), 5, 0.0, stream=terminal)
     assert "val reward 0.500  pass@1 0.25" in terminal.getvalue()
+
+
+def rewriting_run(run_dir: Path, resumed_at: int, steps: range):
+    """is_running() of a resumed attempt: its first poll cuts the log back to the
+    checkpoint's step as the leader does (a new file), the next ones append a row each."""
+    from hpc_asyncppo.runlog import truncate_to_step
+
+    pending = list(steps)
+    cut = False
+
+    def is_running() -> bool:
+        nonlocal cut
+        if not cut:
+            truncate_to_step(run_dir, resumed_at)
+            cut = True
+            return True
+        if not pending:
+            return False
+        with (run_dir / METRICS).open("a") as f:
+            f.write(json.dumps(row(pending.pop(0))) + "\n")
+        return True
+
+    return is_running
+
+
+def test_a_restarted_run_resumes_at_its_checkpoint_and_shows_the_steps_trained_again(
+    tmp_path: Path,
+) -> None:
+    """The failed attempt logged steps 1-9, its newest checkpoint is of step 6: the restart
+    resumes at 6 (not 9), and steps 7-9, trained again after the leader cut the log back
+    (a new file), are followed like any other."""
+    (tmp_path / METRICS).write_text("".join(json.dumps(row(s)) + "\n" for s in range(1, 10)))
+    out = io.StringIO()
+    last = follow(tmp_path, rewriting_run(tmp_path, 6, range(7, 11)), 10, 0.0, out, 6)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "resuming at step 6/10"
+    assert [line.split()[1] for line in lines[1:]] == ["7/10", "8/10", "9/10", "10/10"]
+    assert last["step"] == 10
