@@ -39,7 +39,7 @@ def wait_until_done(job_id: str, timeout_s: float = 180) -> str:
     pytest.fail(f"job {job_id} still {state} after {timeout_s}s")
 
 
-def wait_until_done_or_srun_hung(job_id: str, outputs: list[Path], grace_s: float = 60) -> str:
+def wait_until_done_or_srun_hung(job_id: str, outputs: list[Path], grace_s: float = 10) -> str:
     """The job's end state; or "SRUN HUNG" (the job cancelled) when every rank wrote its
     output and exited but srun has not ended ``grace_s`` later: Slurm 22.05's srun
     sometimes never exits after a heterogeneous step that finished (both slurmd logs say
@@ -263,7 +263,8 @@ def test_standalone_template_runs_with_sbatch(shared_dir: Path) -> None:
     env = {
         **os.environ,
         "HPC_ASYNCPPO_RUN_DIR": str(run_dir),
-        "HPC_ASYNCPPO_ARGS": "trainer.total_steps=3",
+        # srun can hang after the step (Slurm 22.05): ended after 5 s, not the default 60 s
+        "HPC_ASYNCPPO_ARGS": "trainer.total_steps=3 timeouts.step_exit_s=5",
         "HPC_ASYNCPPO_PYTHON": sys.executable,
         "PYTHONPATH": str(REPO),  # the package need not be installed
     }
