@@ -2,12 +2,14 @@
 
 Reads only the run directory (and asks Slurm for the job's state when the run was
 submitted there): state, step, param version, last checkpoint, reward, throughput, idle
-ratios, and the last error. Works on a live, finished, failed, killed or resumed run.
+ratios, what each rank is doing (its heartbeat, while the run runs), the attempts, and
+the last error. Works on a live, finished, failed, killed or resumed run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -21,7 +23,7 @@ from omegaconf import OmegaConf
 
 from hpc_asyncppo import goodput
 from hpc_asyncppo.launch.rundir import error_line, read_rank_info
-from hpc_asyncppo.paths import CONFIG, ERRORS, JOB_ID, METRICS, RANKS, SLURM, TIMELINE
+from hpc_asyncppo.paths import CONFIG, ERRORS, HEARTBEATS, JOB_ID, METRICS, RANKS, SLURM, TIMELINE
 from hpc_asyncppo.runlog import format_validation, read_jsonl, split_metrics
 
 
@@ -198,6 +200,23 @@ def ago(t: float, now: float | None = None) -> str:
     return f"{s / 3600:.1f} h ago"
 
 
+def doing_lines(st: RunStatus) -> list[str]:
+    """While the run runs: what each rank's last heartbeat said, and when (a rank whose
+    beat is old is stopped or hung: runtime/heartbeat.py)."""
+    if st.state not in ("running", "starting"):
+        return []
+    lines = []
+    for info in st.ranks:
+        path = st.run_dir / HEARTBEATS / f"rank{info['rank']}.json"
+        try:
+            doing = json.loads(path.read_text())["doing"]
+            beat = path.stat().st_mtime
+        except (OSError, ValueError, KeyError):
+            continue
+        lines.append(f"rank {info['rank']} ({info['role']}): {doing} (last beat {ago(beat)})")
+    return [f"{'doing' if i == 0 else '':<12}{line}" for i, line in enumerate(lines)]
+
+
 def goodput_lines(run_dir: Path, indent: str = "") -> list[str]:
     """Where the wall time went, attempt by attempt (RUN_DIR/goodput.jsonl), if recorded."""
     rows = goodput.read_attempts(run_dir)
@@ -214,9 +233,10 @@ def goodput_lines(run_dir: Path, indent: str = "") -> list[str]:
     for r in rows:
         end = f"{r['end'] - t0:.0f}s" if r.get("end") is not None else "now"
         latency = f", stop latency {r['stop_latency_s']:.2f}s" if r.get("stop_latency_s") else ""
+        restarted = ", restarted" if r.get("restarted") else ""
         lines.append(
             f"{indent}  attempt {r['attempt']}: {r['start'] - t0:.0f}s-{end}, steps "
-            f"{r['resumed_step']}-{r['end_step']}, {r['reason']}{latency}"
+            f"{r['resumed_step']}-{r['end_step']}, {r['reason']}{restarted}{latency}"
         )
     return lines
 
@@ -265,6 +285,7 @@ def format_status(st: RunStatus) -> str:
         )
     if st.validation:
         lines.append(f"validation  {format_validation(st.validation[-1])}")
+    lines += doing_lines(st)
     lines += goodput_lines(st.run_dir)
     for err in st.errors[-3:]:
         tag = "error      " if err.current else "old error  "

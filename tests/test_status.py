@@ -126,6 +126,23 @@ def test_the_screen_shows_where_the_run_stands(run_dir: Path, capsys) -> None:
     assert "128.0 samples/s" in out and "trainer 25%" in out and "1536 trained" in out
 
 
+def test_the_screen_shows_what_each_rank_is_doing_while_it_runs(run_dir: Path, capsys) -> None:
+    write_rank(run_dir, 0, "rollout", "running", os.getpid(), time.time())
+    write_rank(run_dir, 1, "trainer", "running", os.getpid(), time.time())
+    (run_dir / "heartbeats").mkdir()
+    for rank, doing in ((0, "generating under weights version 3"), (1, "training step 13")):
+        beat = {"attempt": "1.0", "count": 4, "doing": doing}
+        (run_dir / "heartbeats" / f"rank{rank}.json").write_text(json.dumps(beat))
+    old = time.time() - 600  # rank 0's last beat, 10 minutes ago: stopped or hung
+    os.utime(run_dir / "heartbeats" / "rank0.json", (old, old))
+    assert status.main([str(run_dir)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    doing = [line for line in out if "(last beat" in line]
+    assert doing[0].startswith("doing       rank 0 (rollout): generating under weights version 3")
+    assert doing[0].endswith("(last beat 10 min ago)")
+    assert doing[1].strip().startswith("rank 1 (trainer): training step 13 (last beat")
+
+
 def test_the_screen_before_the_first_step(run_dir: Path, capsys) -> None:
     assert status.main([str(run_dir)]) == 0
     out = capsys.readouterr().out
