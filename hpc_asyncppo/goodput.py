@@ -173,7 +173,8 @@ def close(
     launcher received, not the USR2 it forwarded); "failed" if the leader never ended it,
     with the last step logged and ``failure``'s fields (``restarts.Failure.record``: the
     failed ranks' lines, the newest checkpoint, whether it was restarted). An attempt
-    whose leader never wrote a row (the job failed before) gets one."""
+    whose leader never wrote a row (the job failed before) gets one. Closed again (a
+    stop that ended the back-off before a restart), the row takes the later end."""
     rows = read_attempts(run_dir)
     row = rows[-1] if rows else None
     if row is None or abs(row["start"] - start) > 1e-3:  # not this attempt's

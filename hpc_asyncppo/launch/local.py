@@ -203,6 +203,8 @@ def run_local(
             print(f"  {line}", file=sys.stderr, flush=True)
         signum = _wait_unless_stopped(wait_s)
         if signum is not None:
+            # the launcher is done with the attempt now: its row ends here, not restarted
+            goodput.close(run_dir, started, time.time(), failure=failure.record(False))
             print(
                 f"{signal.Signals(signum).name}: not restarting; continue with:\n"
                 f"  python -m hpc_asyncppo.submit --cluster local --resume {run_dir}",

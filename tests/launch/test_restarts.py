@@ -133,3 +133,18 @@ def test_a_slurm_attempt_is_judged_from_the_attempts_goodput_recorded():
     # a failure the launcher did not restart (stopped, final) is no loop's first half
     rows = [row(0, "7", killed, False), row(300, "7")]
     assert slurm_decision(again, rows, 300, "7", 3) is None
+
+
+def test_a_backoff_a_stop_ends_belongs_to_the_failed_attempt(tmp_path):
+    """The launcher closes a failed attempt, backs off, and is stopped before it restarts:
+    the attempt's row ends when the launcher gave up (goodput adds up to the run's wall
+    time, first start to last exit), and it was not restarted after all."""
+    from hpc_asyncppo import goodput
+
+    failure = Failure((KILLED.format(pid=1),), step=5, checkpoint=3)
+    goodput.close(tmp_path, 100.0, 130.0, failure=failure.record(True))
+    goodput.close(tmp_path, 100.0, 137.5, failure=failure.record(False))  # stopped at 137.5
+    [row] = goodput.read_attempts(tmp_path)
+    assert (row["end"], row["wall_s"], row["reason"]) == (137.5, 37.5, "failed")
+    assert row["restarted"] is False and row["failure"] == [KILLED.format(pid=1)]
+    assert goodput.summary([row])["run_wall_s"] == 37.5
