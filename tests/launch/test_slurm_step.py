@@ -192,7 +192,7 @@ def test_a_failed_step_requeues_the_job_until_the_failure_repeats(
     assert "not requeued: the job is CANCELLED" in log.read_text()
 
 
-@pytest.mark.timeout(120)  # the command sleeps 600 s: only a wrapper that never ends it hits this
+@pytest.mark.timeout(120)  # the command loops: only a wrapper that never ends it hits this
 def test_a_silent_rank_ends_the_step_at_once_and_is_recorded_as_its_error(tmp_path: Path) -> None:
     """A stopped rank never exits: its heartbeat stops (runtime/heartbeat.py), and the
     wrapper records the rank's line and ends srun without waiting for the step's end."""
@@ -206,6 +206,9 @@ def test_a_silent_rank_ends_the_step_at_once_and_is_recorded_as_its_error(tmp_pa
     (tmp_path / "heartbeats" / "rank1.json").write_text(json.dumps(beat))  # and no more beats
     watch = StepWatch.from_env(tmp_path, JOB_ENV)
     watch.heartbeats = heartbeat.Watch(tmp_path, start, stall_timeout_s=1.0)
-    assert run_step(["sleep", "600"], watch, exit_grace_s=600.0) == 1
+    # srun, ended, reports the tasks it killed: the wrapper's doing, not deaths to record
+    srun = "trap 'echo \"srun: error: n2: task 0: Killed\" >&2; exit 1' TERM; while true; do sleep 0.1; done"
+    assert run_step(["sh", "-c", srun], watch, exit_grace_s=600.0) == 1
     [line] = rank_errors(tmp_path)
     assert line.startswith("rank 1 (") and "fell silent" in line and "version 2" in line
+    assert watch.deaths == []

@@ -80,6 +80,7 @@ class StepWatch:
     expected_ranks: int | None  # from the batch environment; a rank's world_size wins
     deaths: list[str] = field(default_factory=list)
     heartbeats: heartbeat.Watch | None = None  # this attempt's (runtime/heartbeat.py)
+    ending: bool = False  # the wrapper is ending srun: the task deaths after are its doing
 
     @classmethod
     def from_env(cls, run_dir: Path, env: Mapping[str, str]) -> StepWatch:
@@ -172,6 +173,7 @@ def _wait(
         if silent:  # a stopped rank never exits: srun is ended now, not after a grace
             for line in silent:
                 print(f"hpc_asyncppo step: {line}; ending the step", file=sys.stderr, flush=True)
+            watch.ending = True
             _end(proc)
             reader.join(timeout=5.0)
             return 1
@@ -186,6 +188,7 @@ def _wait(
                 file=sys.stderr,
                 flush=True,
             )
+            watch.ending = True
             _end(proc)
             reader.join(timeout=5.0)
             return 0 if ok else 1
@@ -200,7 +203,7 @@ def _copy_stderr(proc: subprocess.Popen, watch: StepWatch) -> None:
         sys.stderr.write(line)
         sys.stderr.flush()
         death = task_death(line)
-        if death:
+        if death and not watch.ending:
             watch.deaths.append(death)
 
 
