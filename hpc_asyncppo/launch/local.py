@@ -135,8 +135,7 @@ class SilentRanks:
             return
         self.ended = True
         pids = {info["rank"]: info.get("pid") for info in read_rank_info(self.run_dir)}
-        for line in lines:
-            rank = int(line.split()[1])
+        for rank, line in lines.items():
             print(f"{line}; ending the attempt", file=sys.stderr, flush=True)
             write_rank_error(self.run_dir, rank, line)
             if pids.get(rank):

@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_asyncppo.paths import HEARTBEATS, RANKS
+from hpc_asyncppo.goodput import ATTEMPT_START
+from hpc_asyncppo.paths import HEARTBEATS
 
-ATTEMPT_START = "HPC_ASYNCPPO_ATTEMPT_START"  # goodput.ATTEMPT_START (no import: no cycle)
 EXITED = "exited"
 
 
@@ -122,10 +122,10 @@ class Watch:
             if last is None or last.count != beat["count"] or beat["doing"] == EXITED:
                 self.seen[rank] = _Seen(beat["count"], now, beat["doing"])
 
-    def silent(self, now: float | None = None) -> list[str]:
-        """One line per silent rank (empty while every watched rank beats)."""
+    def silent(self, now: float | None = None) -> dict[int, str]:
+        """A line for each silent rank, by rank (empty while every watched rank beats)."""
         if self.timeout_s <= 0:
-            return []
+            return {}
         now = time.monotonic() if now is None else now
         self.poll(now)
         quiet = sorted(
@@ -134,10 +134,12 @@ class Watch:
             if seen.doing != EXITED and now - seen.at > self.timeout_s
         )
         if not quiet:
-            return []
-        info = _rank_info(self.run_dir)
+            return {}
+        from hpc_asyncppo.launch.rundir import read_rank_info
+
+        info = {record["rank"]: record for record in read_rank_info(self.run_dir)}
         leader = min((r for r, i in info.items() if i.get("role") == "trainer"), default=None)
-        lines = []
+        lines = {}
         for rank in quiet:
             i = info.get(rank, {})
             where = ", ".join(
@@ -151,16 +153,5 @@ class Watch:
             )
             if leader is not None and leader != rank and leader in self.seen:
                 line += f"; the trainer leader is {self.seen[leader].doing}"
-            lines.append(line)
+            lines[rank] = line
         return lines
-
-
-def _rank_info(run_dir: Path) -> dict[int, dict]:
-    info = {}
-    for path in (run_dir / RANKS).glob("rank*.json"):
-        try:
-            record = json.loads(path.read_text())
-            info[int(record["rank"])] = record
-        except (OSError, ValueError, KeyError):
-            continue
-    return info

@@ -58,7 +58,7 @@ def test_a_stopped_rank_is_named_with_what_it_and_the_leader_were_doing(tmp_path
             assert time.monotonic() < deadline, watch.seen
             time.sleep(0.1)
         time.sleep(STALL_S + 1)
-        assert watch.silent() == []  # beating, or exited
+        assert watch.silent() == {}  # beating, or exited
         os.kill(procs[0].pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
         while not (lines := watch.silent()):
@@ -66,12 +66,12 @@ def test_a_stopped_rank_is_named_with_what_it_and_the_leader_were_doing(tmp_path
             time.sleep(0.1)
         # named within the timeout and a beat's interval, not before the timeout
         assert time.monotonic() - stopped_at >= STALL_S - heartbeat.interval_s(STALL_S)
-        assert lines == [
-            f"rank 0 (rollout, n1, pid {procs[0].pid}) fell silent: no heartbeat for "
+        assert lines == {
+            0: f"rank 0 (rollout, n1, pid {procs[0].pid}) fell silent: no heartbeat for "
             "trainer.stall_timeout_s=2 s (stopped, its node frozen, or hung holding its "
             "interpreter); its last beat said it was generating under weights version 2; the "
             "trainer leader is waiting for samples for step 5"
-        ]
+        }
     finally:
         for proc in procs:
             proc.kill()
@@ -81,4 +81,4 @@ def test_a_stopped_rank_is_named_with_what_it_and_the_leader_were_doing(tmp_path
 def test_no_timeout_means_no_heartbeat_and_no_watch(tmp_path):
     heartbeat.start(tmp_path, 0, 0)  # in this process: a no-op
     assert not (tmp_path / "heartbeats").exists()
-    assert heartbeat.Watch(tmp_path, time.time(), 0).silent() == []
+    assert heartbeat.Watch(tmp_path, time.time(), 0).silent() == {}

@@ -111,10 +111,10 @@ class StepWatch:
 
     def silent(self) -> list[str]:
         """Lines naming the ranks that fell silent, each recorded as its rank's error."""
-        lines = self.heartbeats.silent() if self.heartbeats is not None else []
-        for line in lines:
-            write_rank_error(self.run_dir, int(line.split()[1]), line)
-        return lines
+        lines = self.heartbeats.silent() if self.heartbeats is not None else {}
+        for rank, line in lines.items():
+            write_rank_error(self.run_dir, rank, line)
+        return list(lines.values())
 
     def ended(self) -> tuple[str, bool] | None:
         """(why the step is over, whether every rank finished), or None while it runs."""
