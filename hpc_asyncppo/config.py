@@ -85,8 +85,12 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # vllm on GPUs: GPU memory share for weights + KV
     cpu_kv_cache_gb: float = 1.0  # vllm on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE unless set)
     # vllm: a decoding step that has not returned after this long (the engine process
-    # stopped or hung) kills the engine and fails its rank, naming it; 0: no limit
+    # stopped or hung) kills the engine, naming it; 0: no limit
     engine_stall_s: float = 300.0
+    # vllm: engines that die (or are killed for a stall) are restarted inside their rank
+    # this many times per rank and attempt, the groups in flight continuing from their
+    # tokens; one more death fails the rank (and the job restarts: trainer.max_restarts)
+    max_engine_restarts: int = 3
     enforce_eager: bool = False  # vllm on GPUs: no CUDA graphs (always eager on CPU)
     max_num_seqs: int = 0  # vllm: most sequences in one engine step; 0: vLLM's default
     max_num_batched_tokens: int = 0  # vllm: most tokens in one engine step; 0: vLLM's default
@@ -418,6 +422,7 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "trainer.restart_backoff_s": (0, False),
     "trainer.stall_timeout_s": (0, False),
     "rollout.engine_stall_s": (0, False),
+    "rollout.max_engine_restarts": (0, False),
     "trainer.weight_sync_bucket_mb": (1, False),
     "checkpoint.save_every": (0, False),
     "checkpoint.keep": (1, False),

@@ -29,6 +29,9 @@ Each row::
                        (launch/restarts.py)
     stop_latency_s     from the stop signal to the durable checkpoint (a signal's end)
     tokens_regenerated response tokens of cut groups generated again in this attempt
+    engine_restarts    rollout engines restarted inside their ranks in this attempt, and
+    engine_restart_s   their time, from each death to the weights loaded again (summed
+                       over the ranks: the generation lost, not the run's wall time)
 
 so that the attempts' ``wall_s + requeue_wait_s`` add up to the run's wall time, from the
 first launcher's start to the last one's exit. The file is rewritten whole (temporary name,
@@ -104,6 +107,8 @@ class Attempt:
         reason: str,
         tokens_regenerated: int = 0,
         stop_latency_s: float | None = None,
+        engine_restarts: int = 0,
+        engine_restart_s: float = 0.0,
     ) -> None:
         end = time.time()
         self.row.update(
@@ -113,6 +118,8 @@ class Attempt:
             reason=reason,
             tokens_regenerated=tokens_regenerated,
             stop_latency_s=None if stop_latency_s is None else round(stop_latency_s, 3),
+            engine_restarts=engine_restarts,
+            engine_restart_s=round(engine_restart_s, 3),
         )
         _write(self.run_dir, self.rows)
 
@@ -129,6 +136,7 @@ def summary(rows: list[dict]) -> dict:
         "requeue_wait_s": sum(r["requeue_wait_s"] for r in rows),
         "lost_s": sum(r["lost_s"] for r in rows),
         "tokens_regenerated": sum(r["tokens_regenerated"] for r in rows),
+        "engine_restarts": sum(r.get("engine_restarts", 0) for r in rows),
         "goodput": (wall - sum(r["lost_s"] for r in rows)) / total if total > 0 else None,
     }
 
@@ -158,6 +166,8 @@ def _new_row(
         "reason": reason,
         "stop_latency_s": None,
         "tokens_regenerated": 0,
+        "engine_restarts": 0,
+        "engine_restart_s": 0.0,
     }
 
 

@@ -234,9 +234,14 @@ def goodput_lines(run_dir: Path, indent: str = "") -> list[str]:
         end = f"{r['end'] - t0:.0f}s" if r.get("end") is not None else "now"
         latency = f", stop latency {r['stop_latency_s']:.2f}s" if r.get("stop_latency_s") else ""
         restarted = ", restarted" if r.get("restarted") else ""
+        engines = (
+            f", {r['engine_restarts']} engine restart(s) ({r['engine_restart_s']:.1f}s)"
+            if r.get("engine_restarts")
+            else ""
+        )
         lines.append(
             f"{indent}  attempt {r['attempt']}: {r['start'] - t0:.0f}s-{end}, steps "
-            f"{r['resumed_step']}-{r['end_step']}, {r['reason']}{restarted}{latency}"
+            f"{r['resumed_step']}-{r['end_step']}, {r['reason']}{restarted}{engines}{latency}"
         )
     return lines
 

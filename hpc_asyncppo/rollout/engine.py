@@ -4,6 +4,10 @@
 (continuous batching, in-place weight updates, interruptible for partial rollout). Both
 take token-id prompts and return ``Generation``s laid out alike: ids right-padded with the
 pad token, lengths that count the EOS, log-probs 0 and versions -1 past the length.
+
+An engine whose own processes die under the rank (vLLM's engine core: killed, crashed, or
+killed for a stall) raises ``EngineDied``; its groups' tokens so far stay readable
+(``unfinished``), and the rollout rank restarts it in place (``rollouter.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,11 @@ from hpc_asyncppo.rollout.generation import Generation, PartialGroup
 from hpc_asyncppo.rollout.hf_engine import HFEngine
 from hpc_asyncppo.transport.weight_group import WeightGroupSpec
 from hpc_asyncppo.transport.weights import WeightUpdate
+
+
+class EngineDied(RuntimeError):
+    """The engine's processes are gone (the message says which, and how); the engine object
+    still answers ``unfinished`` and ``close``, nothing else."""
 
 
 class RolloutEngine(Protocol):

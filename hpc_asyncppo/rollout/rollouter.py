@@ -33,6 +33,22 @@ durable checkpoint does not grow with the response length. After a resume the cu
 continue from their tokens; without partial rollout only if the weights are still those
 that sampled them, otherwise they start again from the prompt (same uid; the tokens
 thrown away are counted in ``tokens_regenerated``).
+
+An engine that dies under the rank (``EngineDied``: vLLM's engine core killed, crashed or
+stuck past ``rollout.engine_stall_s``) is restarted in place, at most
+``rollout.max_engine_restarts`` times per attempt (one more death fails the rank, and
+the job restart takes over). The rank says REJOIN at once, so that the leader sends no
+weights into the dead engine, takes the groups it had in flight with their tokens so far
+(as a checkpoint would: they are the same cut groups), starts a new engine, joins the
+weight group's next generation when the leader says REGROUP, and continues the groups
+once the leader has sent the weights again: the same version when the leader's weights
+have not moved since, so the tokens so far are kept even without partial rollout. The
+control message being handled when the engine died is handled again afterwards; a SYNC
+announced before the REGROUP is void (its broadcast broke on the dead engine).
+
+Why one long file: it is one role's loop and every message it answers (credits, syncs,
+checkpoints, validation, stops, engine restarts), read top to bottom (``STYLE.md``); its
+state is shared by all of them.
 """
 
 from __future__ import annotations
@@ -40,6 +56,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +66,7 @@ import torch
 from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.checkpoint.store import CheckpointReader, rng_state, set_rng_state
 from hpc_asyncppo.config import Config
-from hpc_asyncppo.rollout.engine import RolloutEngine, make_engine
+from hpc_asyncppo.rollout.engine import EngineDied, RolloutEngine, make_engine
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup
 from hpc_asyncppo.rollout.validation import Validator
 from hpc_asyncppo.runlog import record_weight_digest, sent_groups_writer
@@ -75,18 +93,21 @@ class Rollouter:
         resume: dict | None = None,
         engine: RolloutEngine | None = None,
         sender: SampleSender | None = None,
+        new_engine: Callable[[], RolloutEngine] | None = None,
     ):
-        """``engine`` and ``sender``: the rank's own (from ``cfg``, over ``topo.inter``)
-        unless given (the unit tests' fakes)."""
+        """``engine``, ``sender`` and ``new_engine`` (builds the engine of a restart): the
+        rank's own (from ``cfg``, over ``topo.inter``) unless given (the unit tests' fakes)."""
         self.cfg, self.topo, self.run_dir = cfg, topo, run_dir
         self.rank = topo.world_rank
         self.task: Task = load_task(cfg.data)
         # Without the prompts the run directory lists as overlong; self.prompts[i].index is
         # a prompt's index in the task (its uid), i its position in the data order.
         self.prompts: list[Prompt] = usable_prompts(self.task.prompts(), run_dir)
-        self.engine = engine if engine is not None else make_engine(cfg, topo.device)
+        self.new_engine = new_engine or (lambda: make_engine(cfg, topo.device))
+        self.engine = engine if engine is not None else self.new_engine()
         startup.mark("engine built")
-        self.engine.join_weights(topo.weights, member_rank(self.rank, 0, topo.workers_per_rank))
+        self.weights_spec = topo.weights  # the weight group's generation this rank is in
+        self.engine.join_weights(self.weights_spec, self.first_member)
         startup.mark("weight group joined")
         self.record_digests = cfg.trainer.record_weight_digests
         # groups submitted to the engine: key -> (data epoch, position in prompts, version at start)
@@ -118,31 +139,52 @@ class Rollouter:
         self._stop_seen: float | None = None  # when this rank saw a stop signal
         self.engine.should_stop = lambda: stop_requested() is not None
         self.tokens_regenerated = 0  # tokens of cut responses thrown away (started again)
-        # cut groups from the checkpoint, placed once the first weights say which version
+        self.inbox: deque[tuple[Control, int]] = deque()  # control messages not yet handled
+        # engine restarts: how many, their time (from the death to the weights loaded again),
+        # and the state between: the engine is out of the weight group until REGROUP, then
+        # without weights until the next SYNC
+        self.engine_restarts, self.engine_restart_s = 0, 0.0
+        self.died_at: float | None = None
+        self.out_of_group = False
+        # cut groups (of the checkpoint, or of a restarted engine), placed once the weights
+        # say which version
         self.resumed: list[tuple[int, int, int, PartialGroup]] = []
         if resume is not None:  # last, so that nothing above draws from the restored RNGs
             self.resumed = resume["partial"]
             if resume["rng"] is not None:
                 set_rng_state(resume["rng"])
 
+    @property
+    def first_member(self) -> int:
+        return member_rank(self.rank, 0, self.topo.workers_per_rank)
+
+    @property
+    def has_weights(self) -> bool:
+        """The engine holds the trainer's weights (not before the first sync, nor after an
+        engine restart until the next)."""
+        return self.version >= 0 and self.died_at is None
+
     def run(self) -> None:
         while True:
-            stop = self.handle_control()
-            if stop:
-                break
-            if self.stopping():
-                continue
-            self.load_pending_weights()
-            if self.version >= 0:
-                self.start_granted_groups()
-                self.validator.top_up()
-            if not self.in_flight and not self.validator.in_flight:
-                heartbeat.doing(f"waiting for credits (weights version {self.version})")
-                self.wait_a_moment()
-                continue
-            self._waiting_since = None
-            heartbeat.doing(f"generating under weights version {self.version}")
-            self.step_and_send()
+            try:
+                stop = self.handle_control()
+                if stop:
+                    break
+                if self.stopping():
+                    continue
+                self.load_pending_weights()
+                if self.has_weights:
+                    self.start_granted_groups()
+                    self.validator.top_up()
+                if not self.in_flight and not self.validator.in_flight:
+                    heartbeat.doing(f"waiting for credits (weights version {self.version})")
+                    self.wait_a_moment()
+                    continue
+                self._waiting_since = None
+                heartbeat.doing(f"generating under weights version {self.version}")
+                self.step_and_send()
+            except EngineDied as death:
+                self.restart_engine(death)
         self.finish_validation()  # a validation asked for before STOP reports
         if self.pending is not None:  # the leader finished its broadcast before STOP
             self.pending.result(self.cfg.timeouts.weight_sync_s)
@@ -156,36 +198,107 @@ class Rollouter:
         log.info("rollout rank %d sent %d groups", self.rank, self.sender.groups_sent)
 
     def handle_control(self) -> bool:
-        """Apply every control message that arrived; True on STOP."""
-        for kind, value in self.sender.poll_control():
-            if kind == Control.CREDIT:  # value: the draw naming the prompt
-                self.granted.append(value)
-            elif kind == Control.SYNC:
-                heartbeat.doing(f"receiving the weights of version {value}")
-                if self.inflight_updates and self.version >= 0:
-                    self.load_pending_weights(wait=True)  # one sync at a time
-                    self.pending = self.engine.receive_staged(self.staging)
-                    self.pending_version = value
-                    continue
-                self.before_new_weights()
-                start, wall_start = time.monotonic(), time.time()
-                update = self.engine.update_weights(value, self.record_digests)
-                self.weights_loaded(update, start, wall_start)
-            elif kind == Control.CHECKPOINT:  # value: the step being checkpointed
-                heartbeat.doing(f"writing its part of the checkpoint of step {value}")
-                self.engine.interrupt()  # the groups in flight go into the part, cut
-                self.write_checkpoint_part(value)
-            elif kind == Control.VALIDATE:  # value: the trainer step validated
-                self.load_pending_weights(wait=True)  # under the version just synced
-                self.validator.request(value, self.version)
-            elif kind == Control.STOP:
+        """Apply every control message that arrived; True on STOP. A message leaves the
+        inbox once handled: one whose handling the engine's death broke is handled again
+        after the restart."""
+        self.inbox.extend(self.sender.poll_control())
+        while self.inbox:
+            kind, value = self.inbox[0]
+            if self.handle(kind, value):
                 return True
+            self.inbox.popleft()
         return False
+
+    def handle(self, kind: Control, value: int) -> bool:
+        """One control message; True on STOP."""
+        if kind == Control.CREDIT:  # value: the draw naming the prompt
+            self.granted.append(value)
+        elif kind == Control.SYNC and self.out_of_group:
+            log.warning(
+                "rank %d: the sync of version %d is void (announced before the leader "
+                "knew its engine had died): the weights come again after REGROUP",
+                self.rank,
+                value,
+            )
+        elif kind == Control.REGROUP:  # value: the weight group's next generation
+            heartbeat.doing(f"joining the weight group's generation {value}")
+            self.load_pending_weights(wait=True)  # received from the group before
+            self.weights_spec = replace(self.weights_spec, generation=value)
+            self.engine.join_weights(self.weights_spec, self.first_member)
+            self.out_of_group = False
+        elif kind == Control.SYNC:
+            heartbeat.doing(f"receiving the weights of version {value}")
+            if self.inflight_updates and self.has_weights:
+                self.load_pending_weights(wait=True)  # one sync at a time
+                self.pending = self.engine.receive_staged(self.staging)
+                self.pending_version = value
+                return False
+            self.before_new_weights()
+            start, wall_start = time.monotonic(), time.time()
+            update = self.engine.update_weights(value, self.record_digests)
+            self.weights_loaded(update, start, wall_start)
+        elif kind == Control.CHECKPOINT:  # value: the step being checkpointed
+            heartbeat.doing(f"writing its part of the checkpoint of step {value}")
+            self.engine.interrupt()  # the groups in flight go into the part, cut
+            self.write_checkpoint_part(value)
+        elif kind == Control.VALIDATE:  # value: the trainer step validated
+            self.load_pending_weights(wait=True)  # under the version just synced
+            self.validator.request(value, self.version)
+        elif kind == Control.STOP:
+            return True
+        return False
+
+    def restart_engine(self, death: EngineDied) -> None:
+        """The engine died: tell the leader (REJOIN), take the groups it had in flight with
+        their tokens so far (validation groups start again from their prompts), and start
+        a new engine. The rank then waits for REGROUP and the weights (``has_weights``)."""
+        if self.engine_restarts >= self.cfg.rollout.max_engine_restarts:
+            raise RuntimeError(
+                f"{death} (its engine restarted {self.engine_restarts} times already: "
+                f"rollout.max_engine_restarts={self.cfg.rollout.max_engine_restarts})"
+            ) from death
+        self.died_at = time.monotonic() if self.died_at is None else self.died_at
+        self.engine_restarts += 1
+        self.out_of_group = True
+        self.sender.send_control(Control.REJOIN, self.engine_restarts)
+        log.error(
+            "rank %d: %s; restarting the engine (restart %d of at most %d)",
+            self.rank,
+            death,
+            self.engine_restarts,
+            self.cfg.rollout.max_engine_restarts,
+        )
+        heartbeat.doing(f"restarting its engine after: {death}")
+        kept = 0
+        for key, partial in self.engine.unfinished():
+            if self.validator.owns(key):
+                self.validator.again(key)
+                continue
+            self.resumed.append((*self.in_flight.pop(key), partial))
+            kept += partial.tokens
+        try:
+            self.engine.close()
+        except Exception as exc:  # noqa: BLE001 - the dead engine's leftovers: log and go on
+            log.warning("rank %d: closing the dead engine: %s", self.rank, exc)
+        self.engine = self.new_engine()
+        self.engine.should_stop = lambda: stop_requested() is not None
+        self.validator.engine = self.engine
+        log.warning(
+            "rank %d: new engine started in %.1fs; %d groups in flight (%d tokens) continue "
+            "once the weights are back",
+            self.rank,
+            time.monotonic() - self.died_at,
+            len(self.resumed),
+            kept,
+        )
 
     def before_new_weights(self) -> None:
         """What must happen before the engine's weights change: every response of a
         validation has one version; groups in flight are cut (partial rollout: they resume
-        under the new weights) or finished under the old ones."""
+        under the new weights) or finished under the old ones. A restarted engine has
+        nothing running (and no weights to finish anything with)."""
+        if not self.has_weights:
+            return
         self.finish_validation()
         if self.cfg.async_training.partial_rollout:
             self.engine.interrupt()
@@ -316,6 +429,8 @@ class Rollouter:
             for key, partial in self.engine.unfinished()
             if not self.validator.owns(key)  # validation is not checkpointed
         ]
+        # cut groups waiting for weights (a restarted engine's) are cut groups too
+        cut += [cut_group_tree(*group) for group in self.resumed]
         tree = {"rng": rng_state(), "partial": cut}
         folder = protocol.step_dir(self.run_dir, step)
         with self.timeline.span("checkpoint"):
@@ -333,6 +448,9 @@ class Rollouter:
             self.started_at, self.idle_s = time.monotonic(), 0.0
             startup.mark("first weights loaded")
         self.version, self.last_pause_s = update.version, update.pause_s
+        if self.died_at is not None:  # the restarted engine has its weights
+            self.engine_restart_s += time.monotonic() - self.died_at
+            self.died_at = None
         if self.resumed:
             self.place_resumed_groups()
         if self.record_digests:
@@ -404,6 +522,8 @@ class Rollouter:
             rollout_elapsed_s=time.monotonic() - self.started_at,
             tokens_regenerated=self.tokens_regenerated,
             rollout_sync_pause_s=self.last_pause_s,
+            engine_restarts=self.engine_restarts,
+            engine_restart_s=self.engine_restart_s,
         )
 
 

@@ -147,6 +147,13 @@ class Validator:
         job.in_flight -= 1
         self._send_done()
 
+    def again(self, key: tuple) -> None:
+        """A val group lost with its engine (restarted): it starts again from its prompt."""
+        _, job_id, position = key
+        job = next(j for j in self.jobs if j.id == job_id)
+        job.pending.appendleft(position)
+        job.in_flight -= 1
+
     def finish(self, step_engine: Callable[[], None], stop: Callable[[], bool]) -> None:
         """Run every validation asked for to its end (``step_engine``: one engine step whose
         finished groups reach ``finished``, training groups going their own way), unless

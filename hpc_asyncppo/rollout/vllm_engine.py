@@ -32,8 +32,10 @@ below the longest sequence), ``enable_prefix_caching``, ``enforce_eager`` (no CU
 Faults: a watch thread fails the waiting call when vLLM's engine process dies (vLLM's own
 client would wait on), and kills it when a decoding step has not returned for
 ``rollout.engine_stall_s`` (the process stopped or hung: the rank's heartbeat goes on, so
-only this names it). The rank then fails with the reason, and the job restarts from its
-newest checkpoint (``launch/restarts.py``); the engine is not restarted inside the rank.
+only this names it). Every call on the engine then raises ``EngineDied`` with the reason;
+the groups in flight keep their tokens so far in this process (``unfinished``), and the
+rollout rank restarts the engine in place and continues them (``rollouter.py``,
+``rollout.max_engine_restarts``).
 
 Partial rollout: ``interrupt()`` aborts every running request and keeps its tokens and
 log-probs; the next ``step()`` after the weight update resubmits each one with its
@@ -61,6 +63,7 @@ import torch
 from transformers import AutoTokenizer
 
 from hpc_asyncppo.config import ModelConfig, RolloutConfig
+from hpc_asyncppo.rollout.engine import EngineDied
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup, Response, ResponseGroup
 from hpc_asyncppo.runtime.signals import children_ignore_stop_signals
 from hpc_asyncppo.transport.weight_group import WeightGroupSpec, open_weight_group
@@ -431,7 +434,7 @@ class VLLMEngine:
     def _engine_call(self, call, *args):
         """``call(*args)`` on vLLM's engine; its death is raised as ``died`` says it."""
         if self.died:
-            raise RuntimeError(self.died)
+            raise EngineDied(self.died)
         try:
             return call(*args)
         except Exception:
@@ -440,7 +443,7 @@ class VLLMEngine:
             if not self.died and any(not p.is_alive() for p in self.engine_processes()):
                 self._watched.wait(timeout=10)
             if self.died:
-                raise RuntimeError(self.died) from None
+                raise EngineDied(self.died) from None
             raise
 
     def engine_processes(self) -> list:

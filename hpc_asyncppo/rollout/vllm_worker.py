@@ -62,6 +62,7 @@ class GroupInitInfo(WeightTransferInitInfo):
     backend: str
     timeout_s: float
     rank_offset: int
+    generation: int = 0
 
 
 @dataclass

@@ -148,7 +148,7 @@ class Intake:
     # --- the trainer's side -------------------------------------------------------------
     def take(
         self,
-        version: int,
+        version: int | Callable[[], int],
         stopped: Callable[[], object],
         timeout_s: float,
         step: int,
@@ -161,7 +161,7 @@ class Intake:
         resume), so that the checkpoint holds them and nothing of the step is kept.
 
         Receives and grants while it waits (``tick`` runs at each poll: the leader's other
-        inboxes); raises PeerTimeout after ``timeout_s`` without a whole batch (``step``:
+        inboxes; ``version`` may be a callable, when a tick can send weights); raises PeerTimeout after ``timeout_s`` without a whole batch (``step``:
         the step it is for, in that message)."""
         cfg = self.cfg
         required = cfg.required_groups
@@ -186,7 +186,8 @@ class Intake:
                 # (with in-flight weight updates groups granted after a sync may start
                 # under the old weights: at max_staleness 0 their drops would otherwise
                 # use up the window). It is recorded once the batch is whole.
-                if staleness_of(group, version) > cfg.async_training.max_staleness:
+                newest = version() if callable(version) else version
+                if staleness_of(group, newest) > cfg.async_training.max_staleness:
                     self._dropped(taken, group, "stale")
                 elif flat and taken.filtered < refills:
                     self._dropped(taken, group, "filtered")

@@ -3,7 +3,7 @@ step.
 
 ``StepLog`` owns the writers (``metrics.jsonl`` and TensorBoard, ``trained_samples.jsonl``,
 ``dropped_samples.jsonl``) and what the rollout ranks last said of themselves: each group
-carries its sender's idle time, regenerated tokens and last sync pause, read as it
+carries its sender's idle time, regenerated tokens, last sync pause and engine restarts, read as it
 arrives (``note_rollout``). The sample counts it keeps are the leader's ``Progress``,
 which checkpoints them. Memory: a few numbers per rollout rank.
 """
@@ -31,6 +31,7 @@ class StepLog:
         self.rollout_idle: dict[int, tuple[float, float]] = {}  # (idle, elapsed) per rank
         self.tokens_regenerated: dict[int, int] = {}  # per rank, cumulative
         self.sync_pause: dict[int, float] = {}  # per rank, its engine's last pause
+        self.engine_restarts: dict[int, tuple[int, float]] = {}  # per rank: count, seconds
 
     def note_rollout(self, group: SampleGroup) -> None:
         """A group arrived: what its rollout rank says of itself."""
@@ -38,6 +39,7 @@ class StepLog:
         self.rollout_idle[rank] = (group.rollout_idle_s, group.rollout_elapsed_s)
         self.tokens_regenerated[rank] = group.tokens_regenerated
         self.sync_pause[rank] = group.rollout_sync_pause_s
+        self.engine_restarts[rank] = (group.engine_restarts, group.engine_restart_s)
 
     def dropped(self, group: SampleGroup, reason: str) -> None:
         """A group dropped while the next step's batch was gathered, recorded under that
@@ -87,6 +89,10 @@ class StepLog:
             "trainer/idle_ratio": progress.idle_s / max(elapsed, 1e-9),
             "rollouter/idle_ratio": float(np.mean(rollout_idle)) if rollout_idle else 0.0,
             "sync/pause_s": max(self.sync_pause.values(), default=0.0),
+            # engines restarted inside their rollout ranks in this attempt, and the time
+            # each rank's restarts took (from the death to the weights loaded again)
+            "rollout/engine_restarts": sum(n for n, _ in self.engine_restarts.values()),
+            "rollout/engine_restart_s": sum(t for _, t in self.engine_restarts.values()),
             **leader,
             **self.recipe_metrics(batch, rewards),
             **batch_metrics(batch.groups, rewards, self.cfg.rollout.response_length),

@@ -14,6 +14,15 @@ it), goes back to the front of the queue.
 
 The leader's state is in objects that checkpoint themselves: the intake, the counters
 (``progress.py``), the policy's shards; the checkpoint collects them (``checkpoint``).
+
+A rollout rank whose engine died and is restarting in place says REJOIN
+(``rollout/rollouter.py``): before its next sync, or at once while it waits for samples,
+the leader has every rank meet in a new weight group (``regroup``: REGROUP, the group's
+next generation on the same store) and sends the weights again, the same version when
+they have not moved since (else as a new one). A broadcast that breaks on the dead
+engine (it died mid-sync, or before its REJOIN arrived) waits for that REJOIN
+(``timeouts.rank_wait_s``), regroups and sends again; without a REJOIN the failure stands.
+Members of other ranks receiving a broadcast that broke fail with it (the job restarts).
 """
 
 from __future__ import annotations
@@ -51,8 +60,8 @@ from hpc_asyncppo.trainer.queue import SpillQueue
 from hpc_asyncppo.trainer.steplog import StepLog
 from hpc_asyncppo.trainer.validation import ValidationLog
 from hpc_asyncppo.transport.samples import Control, SampleReceiver
-from hpc_asyncppo.transport.waits import poll_until
-from hpc_asyncppo.transport.weight_group import open_weight_group
+from hpc_asyncppo.transport.waits import PeerTimeout, poll_until
+from hpc_asyncppo.transport.weight_group import WeightGroupSpec, open_weight_group
 from hpc_asyncppo.transport.weights import Background, WeightBroadcaster
 
 log = logging.getLogger(__name__)
@@ -75,11 +84,10 @@ class TrainerLeader:
         self.receiver = SampleReceiver(topo.inter)
         # The weight group meets once every member has joined (vLLM workers once their
         # engine has started): the leader joins on a side thread and waits at its first sync.
-        self.joining = Background(
-            lambda: open_weight_group(topo.weights, 0, topo.weights_store),
-            "the weight group's rendezvous",
-        )
+        self.weights_spec = topo.weights
+        self.joining = self.join_weight_group(self.weights_spec)
         self.broadcaster: WeightBroadcaster | None = None
+        self.weights_lost = False  # a rank's engine lost its weights: send them again
         self.followers = Followers(topo.local, cfg.timeouts.rank_wait_s)
         self.progress = Progress()
         num_prompts = len(usable_prompts(load_task(cfg.data).prompts(), run_dir))
@@ -133,6 +141,7 @@ class TrainerLeader:
             stopped_by = stop_requested()
             if stopped_by:
                 break
+            self.send_lost_weights()
             batch = self.take_batch()
             if batch is None:  # a stop signal came while the batch was being gathered
                 stopped_by = stop_requested()
@@ -154,11 +163,14 @@ class TrainerLeader:
         self.shutdown()
         if self.cfg.checkpoint.save_hf_final and not stopped_by:
             self.export_final()
+        restarts = self.steplog.engine_restarts.values()
         self.attempt.end(
             self.step,
             f"signal {stopped_by}" if stopped_by else "finished",
             tokens_regenerated=sum(self.steplog.tokens_regenerated.values()),
             stop_latency_s=latency,
+            engine_restarts=sum(n for n, _ in restarts),
+            engine_restart_s=sum(t for _, t in restarts),
         )
 
     # --- the steps ----------------------------------------------------------------------
@@ -167,11 +179,11 @@ class TrainerLeader:
         waited_since, wall_start = time.monotonic(), time.time()
         heartbeat.doing(f"waiting for samples for step {self.step + 1}")
         batch = self.intake.take(
-            self.version,
+            lambda: self.version,  # a tick may send weights (send_lost_weights)
             stop_requested,
             self.cfg.timeouts.sample_wait_s,
             self.step + 1,
-            tick=self.validation.poll,
+            tick=self.between_polls,
         )
         self.progress.idle_s += time.monotonic() - waited_since
         self.timeline.record("wait", wall_start, time.time(), step=self.step + 1)
@@ -206,7 +218,15 @@ class TrainerLeader:
         self.timeline.record("train", train_start, time.time(), step=self.step)
         return stats
 
-    def sync_weights(self, version: int) -> None:
+    def between_polls(self) -> None:
+        """While the leader waits for samples: validation results, and weights for a rank
+        whose engine restarted (with one rollout rank, no sample comes before them)."""
+        self.validation.poll()
+        if self.weights_lost or self.receiver.rejoins:
+            self.send_lost_weights()
+            heartbeat.doing(f"waiting for samples for step {self.step + 1}")
+
+    def sync_weights(self, version: int, again: bool = False) -> None:
         """Broadcast the weights as ``version``, gathered from the shards one tensor at a time
         (the followers gather in step).
 
@@ -216,10 +236,30 @@ class TrainerLeader:
         sync device, until the broadcast completes (the next sync, a checkpoint or the end
         waits for it). Otherwise each tensor is packed into the next bucket while the last
         is on the wire. ``last_sync_s`` is the last completed broadcast's time, to its last
-        bucket's completion."""
+        bucket's completion.
+
+        ``again``: the weights of ``version`` once more (a rank's engine restarted), its
+        counters untouched. A broadcast that breaks on a dead engine is sent again once
+        every rank has met anew (``regroup``)."""
         heartbeat.doing(f"sending the weights as version {version}")
         start = time.time()
         self.finish_sync()  # one broadcast on the wire at a time
+        if self.receiver.rejoins:  # a rank's engine restarts: meet anew before sending
+            self.regroup()
+        try:
+            self.send_weights(version)
+        except RuntimeError as broken:
+            self.regroup(broken)
+            self.send_weights(version)
+        self.weights_lost = False
+        if not again:
+            self.progress.version, self.progress.synced_step = version, self.step
+            self.intake.synced()
+        self.timeline.record("sync", start, time.time(), version=version)
+
+    def send_weights(self, version: int) -> None:
+        """Announce ``version`` and broadcast the weights, gathered from the shards one
+        tensor at a time (the followers gather in step)."""
         broadcaster = self.weight_broadcaster()
         self.followers.order(Order.SYNC, self.step)
         digest = runlog.WeightDigest() if self.cfg.trainer.record_weight_digests else None
@@ -234,20 +274,70 @@ class TrainerLeader:
             self.sending = broadcaster.broadcast_in_background(version, named)
         else:
             self.receiver.broadcast_control(Control.SYNC, version)
-            self.last_sync_s = broadcaster.broadcast(
-                version,
-                self.policy.named_weights(),
-                specs=self.policy.weight_specs(),
-                on_tensor=digest.add if digest else None,
-            )
+            named = self.policy.named_weights()  # the followers gather each tensor in step
+            try:
+                self.last_sync_s = broadcaster.broadcast(
+                    version,
+                    named,
+                    specs=self.policy.weight_specs(),
+                    on_tensor=digest.add if digest else None,
+                )
+            except RuntimeError:
+                for _ in named:  # broken: the followers' gathers still finish
+                    pass
+                raise
         self.version_sent = True
-        self.progress.version, self.progress.synced_step = version, self.step
-        self.intake.synced()
         if digest is not None:
             runlog.record_weight_digest(
                 self.run_dir, self.topo.world_rank, version, digest.hexdigest()
             )
-        self.timeline.record("sync", start, time.time(), version=version)
+
+    def join_weight_group(self, spec: WeightGroupSpec) -> Background:
+        """The weight group meets once every member has joined (vLLM workers once their
+        engine has started): the leader joins on a side thread and waits at its next sync."""
+        return Background(
+            lambda: open_weight_group(spec, 0, self.topo.weights_store),
+            f"the weight group's rendezvous (generation {spec.generation})",
+        )
+
+    def regroup(self, broken: Exception | None = None) -> None:
+        """Every rank meets in the weight group's next generation (REGROUP): a rank's
+        engine restarted (REJOIN), and its members of the group died with it. ``broken``: a
+        broadcast that failed; it stands unless a REJOIN comes within rank_wait_s."""
+        if broken is not None and not self.receiver.rejoins:
+            heartbeat.doing("waiting for a rollout rank's REJOIN after a broken weight sync")
+            try:
+                poll_until(
+                    lambda: (self.intake.receive(), bool(self.receiver.rejoins))[1],
+                    self.cfg.timeouts.rank_wait_s,
+                    "a rollout rank to say its engine restarts (REJOIN)",
+                )
+            except PeerTimeout:
+                raise broken from None
+        ranks = sorted(self.receiver.rejoins)
+        self.receiver.rejoins.clear()
+        self.broadcaster = None  # the old group closes: a member still in it fails
+        self.weights_spec = self.weights_spec.regrouped()
+        generation = self.weights_spec.generation
+        log.warning(
+            "rollout ranks %s restart their engines: every rank meets in the weight group's "
+            "generation %d, and the weights go out again",
+            ranks,
+            generation,
+        )
+        self.receiver.broadcast_control(Control.REGROUP, generation)
+        self.joining = self.join_weight_group(self.weights_spec)
+        self.weights_lost = True
+
+    def send_lost_weights(self) -> None:
+        """A rank's engine restarted (REJOIN) or a regroup followed a broken broadcast: the
+        weights go out again, the same version unless they moved since."""
+        if not (self.weights_lost or self.receiver.rejoins):
+            return
+        if self.progress.unsynced:
+            self.sync_weights(self.version + 1)
+        else:
+            self.sync_weights(self.version, again=True)
 
     def weight_broadcaster(self) -> WeightBroadcaster:
         """The sender of the weight group, once the group has met (the first sync waits)."""
@@ -261,8 +351,11 @@ class TrainerLeader:
     def finish_sync(self) -> None:
         """Wait for a broadcast still on the wire (in-flight weight updates)."""
         if self.sending is not None:
-            self.last_sync_s = float(self.sending.result(self.cfg.timeouts.weight_sync_s))
-            self.sending = None
+            sending, self.sending = self.sending, None
+            try:
+                self.last_sync_s = float(sending.result(self.cfg.timeouts.weight_sync_s))
+            except RuntimeError as broken:  # on a dead engine: sent again after a regroup
+                self.regroup(broken)
 
     # --- checkpoints (the protocol: checkpoint/protocol.py) -------------------------------
     def checkpoint(self, reason: str) -> None:

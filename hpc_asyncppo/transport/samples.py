@@ -10,7 +10,10 @@ one validation message (never a sample group: validation stays out of the queue 
 credits). On CHECKPOINT a rollout rank answers with its part's record, the groups sent so
 far and the prompts of its unused credits, which it forgets; after STOP it answers DONE
 with the number of groups it sent. Either count lets the leader drain every group sent
-before it, so nothing is in flight when it acts.
+before it, so nothing is in flight when it acts. A rank whose engine died and is being
+restarted says REJOIN at once (its weights are gone, and its members of the weight group
+with them); the leader answers every rank with REGROUP (meet in the weight group's next
+generation) and sends the weights again.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ class Control(IntEnum):
     DONE = 4  # (rollout -> leader) value: groups sent in total
     CHECKPOINT = 5  # answer with a state message; unused credits are void
     VALIDATE = 6  # value: the trainer step; answer with a validation message
+    REJOIN = 7  # (rollout -> leader) its engine restarts; value: its restarts so far
+    REGROUP = 8  # value: the weight group's new generation; join it, the weights follow
 
 
 @dataclass
@@ -63,6 +68,8 @@ class SampleGroup:
     rollout_elapsed_s: float = 0.0  # the sender's time since training started
     tokens_regenerated: int = 0  # the sender's cumulative count of cut tokens thrown away
     rollout_sync_pause_s: float = 0.0  # how long the sender's engine paused for its last sync
+    engine_restarts: int = 0  # the sender's engine restarts in this attempt (cumulative)
+    engine_restart_s: float = 0.0  # their time, each from the death to the weights loaded
     meta: dict = field(default_factory=dict)
 
     @property
@@ -85,8 +92,14 @@ _SCALARS = (
     "rollout_elapsed_s",
     "tokens_regenerated",
     "rollout_sync_pause_s",
+    "engine_restarts",
+    "engine_restart_s",
 )
-_SINCE = {"rollout_sync_pause_s": 0.0}  # scalars newer than some checkpoints: their default
+_SINCE = {
+    "rollout_sync_pause_s": 0.0,
+    "engine_restarts": 0,
+    "engine_restart_s": 0.0,
+}  # scalars newer than some checkpoints: their default
 _ARRAYS = {
     "prompt_ids": np.int32,
     "response_ids": np.int32,
@@ -149,6 +162,14 @@ class SampleSender:
                 messages.append((kind, int(msg[1])))
         return messages
 
+    def send_control(self, kind: Control, value: int = 0) -> None:
+        """A control message to the leader (REJOIN); never blocks."""
+        msg = _control(kind, value)
+        self._pending.append(
+            (self._inter.Isend([msg, MPI.INT64_T], dest=LEADER, tag=TAG_CONTROL), msg)
+        )
+        self._reap()
+
     def send_validation(self, result: np.ndarray) -> None:
         """Send one validation result (a ``pack_arrays`` buffer); never blocks."""
         req = self._inter.Isend([result, MPI.BYTE], dest=LEADER, tag=TAG_VALIDATION)
@@ -181,6 +202,7 @@ class SampleReceiver:
         self._pending: list[tuple[MPI.Request, np.ndarray]] = []
         self.received_from = [0] * self.rollout_ranks
         self.done_counts: dict[int, int] = {}
+        self.rejoins: dict[int, int] = {}  # rank -> its engine restarts, REJOINs not yet handled
 
     def poll(self) -> list[np.ndarray]:
         """Every encoded group that has arrived (``decode_group`` reads one); never blocks."""
@@ -219,8 +241,12 @@ class SampleReceiver:
         status = MPI.Status()
         while self._inter.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_CONTROL, status=status):
             msg = np.empty(2, dtype=np.int64)
-            self._inter.Recv([msg, MPI.INT64_T], source=status.Get_source(), tag=TAG_CONTROL)
-            self.done_counts[status.Get_source()] = int(msg[1])
+            source = status.Get_source()
+            self._inter.Recv([msg, MPI.INT64_T], source=source, tag=TAG_CONTROL)
+            if Control(int(msg[0])) == Control.REJOIN:
+                self.rejoins[source] = int(msg[1])
+            else:
+                self.done_counts[source] = int(msg[1])
 
     def send_control(
         self, rank: int, kind: Control, value: int = 0, extra: list[int] | None = None

@@ -14,11 +14,15 @@ default process group (the whole MPI job on a rank, and nothing at all in a vLLM
 so a rank that never joins a weight sync cannot stall one. NCCL when every member has a
 GPU of its own, gloo (through host memory) otherwise; the protocol above it is the same
 code. Every collective on it, the rendezvous included, is bounded by ``timeout_s``.
+
+A member that dies (a vLLM engine restarted inside its rollout rank) breaks the group: the
+members meet again in a new one on the same store, its ``generation`` one higher
+(``WeightGroupSpec.regrouped``; the trainer leader orders it, ``trainer/trainer.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -36,6 +40,11 @@ class WeightGroupSpec:
     world_size: int  # 1 (the leader) + every member
     backend: str  # "nccl" or "gloo"
     timeout_s: float
+    generation: int = 0  # how many times the members met anew (a member's engine restarted)
+
+    def regrouped(self) -> WeightGroupSpec:
+        """The next group of the same members, on the same store."""
+        return replace(self, generation=self.generation + 1)
 
     def bucket_device(self, own: torch.device) -> torch.device:
         """Where a member's buckets travel: its own GPU under NCCL, host memory under gloo."""
@@ -110,7 +119,7 @@ def open_weight_group(
             timeout=timeout,
             wait_for_workers=False,
         )
-    prefixed = dist.PrefixStore(_STORE_PREFIX, store)
+    prefixed = dist.PrefixStore(f"{_STORE_PREFIX}/{spec.generation}", store)
     group = dist.ProcessGroup(prefixed, rank, spec.world_size)
     if spec.backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()

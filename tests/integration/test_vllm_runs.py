@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -146,7 +147,7 @@ def test_partial_rollout_in_flight_updates_and_stop_signals(tmp_path):
        sample was trained once with its true staleness, and in both attempts every worker
        loaded exactly the trainer's weights at every version (worker-side digests).
 
-    A vLLM engine process that dies under a rank: tests/rollout/test_vllm_engine.py."""
+    A vLLM engine process that dies under a rank: the next test."""
     run_dir = tmp_path / "run"
     # The stop must find groups mid-response: a rank waiting for credit has nothing to cut.
     # So the rollout is the bottleneck and never waits: a step's 8 samples train in a
@@ -207,3 +208,74 @@ def test_partial_rollout_in_flight_updates_and_stop_signals(tmp_path):
     assert digests(run_dir, 0, skip=lines[0]) == second and second, second
     assert sorted({**first[2], **second}) == list(range(max(second) + 1))
     assert len(first[2]) + len(second) > steps
+
+
+def engine_core(run_dir: Path, rollout_rank: int) -> int:
+    """The pid of vLLM's engine core under ``rollout_rank`` (once it is up)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        for pid in engine_processes(descendants_of(run_dir, rollout_rank)):
+            with contextlib.suppress(OSError):
+                # comm holds 15 characters: "VLLM::EngineCor"
+                if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::EngineCor"):
+                    return pid
+        time.sleep(0.2)
+    raise AssertionError("no vLLM engine core found")
+
+
+def wait_for_restarts(proc: subprocess.Popen, run_dir: Path, restarts: int, steps: int) -> None:
+    """Until the metrics show ``restarts`` engine restarts and ``steps`` more steps since."""
+    deadline = time.monotonic() + 600
+    since = None
+    while True:
+        rows = read_jsonl(run_dir / "metrics.jsonl")
+        if since is None and rows and rows[-1]["rollout/engine_restarts"] >= restarts:
+            since = len(rows)
+        if since is not None and len(rows) >= since + steps:
+            return
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"restart {restarts} not seen: {proc.communicate()}")
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(900)
+def test_dead_and_stuck_engines_restart_in_place_and_lose_nothing(tmp_path):
+    """vLLM's engine core SIGKILLed twice at different moments, then stopped (SIGSTOP) until
+    ``rollout.engine_stall_s``: each time the rank restarts the engine in place, the leader
+    has the weight group meet anew and sends the weights again, and the groups in flight
+    continue from their tokens (partial rollout; without it they are kept only when the
+    weights sent again are those that sampled them, and a sync every step makes that
+    rare: the leader is often mid-broadcast when the engine dies, which the leader
+    survives too). The run finishes in one attempt with every sample trained once at its
+    true staleness, the rank's weights equal to the leader's at every version, and the
+    restarts in the metrics and goodput.jsonl."""
+    run_dir = tmp_path / "run"
+    steps = 24
+    args = [*VLLM, "async_training.trigger_parameter_sync_step=1", "rollout.response_length=48",
+            "async_training.partial_rollout=true",
+            "rollout.ignore_eos=true", "rollout.engine_stall_s=5", f"trainer.total_steps={steps}",
+            "trainer.max_restarts=0"]  # fmt: skip
+    proc = launch(run_dir, "--run-dir", str(run_dir), "--rollout-ranks", "1", *args)
+    wait_for_steps(proc, run_dir, 3)
+    os.kill(engine_core(run_dir, 0), signal.SIGKILL)  # while it generates
+    wait_for_restarts(proc, run_dir, 1, 3)
+    os.kill(engine_core(run_dir, 0), signal.SIGKILL)
+    wait_for_restarts(proc, run_dir, 2, 3)
+    os.kill(engine_core(run_dir, 0), signal.SIGSTOP)  # killed after engine_stall_s
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out + err
+
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert metrics[-1]["rollout/engine_restarts"] == 3
+    (attempt,) = read_jsonl(run_dir / "goodput.jsonl")
+    assert attempt["reason"] == "finished" and attempt["engine_restarts"] == 3
+    assert attempt["engine_restart_s"] > 0 and attempt["tokens_regenerated"] == 0
+    trained = check_audit(run_dir, sync_every=1, max_staleness=4, partial=True)
+    assert len({r["uid"] for r in trained}) == len(trained) == metrics[-1]["samples/total"]
+    check_weights_match(run_dir, rollout_ranks=1, versions=steps + 1)
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "returned no decoding step for rollout.engine_stall_s=5 s" in log
+    kept = [int(t) for t in re.findall(r"groups in flight \((\d+) tokens\) continue", log)]
+    assert len(kept) == 3 and sum(kept) > 0, kept

@@ -2,8 +2,9 @@
 fake ``SampleSender``) and an engine that finishes groups when told to. Checks what the
 loop does on each message: the first weights before any group, credits turned into groups
 up to ``prompts_per_generate``, a checkpoint part with the cut groups and the unused draws,
-a sync that finishes the groups in flight first (no partial rollout), STOP. The part is
-written with the real checkpoint code; only MPI and the model are replaced."""
+a sync that finishes the groups in flight first (no partial rollout), STOP, and an engine
+that dies under the rank (restarted in place). The part is written with the real
+checkpoint code; only MPI and the model are replaced."""
 
 from __future__ import annotations
 
@@ -11,16 +12,19 @@ from collections import deque
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.checkpoint.store import CheckpointReader
 from hpc_asyncppo.config import load_config
 from hpc_asyncppo.models.tiny import TinyTokenizer
+from hpc_asyncppo.rollout.engine import EngineDied
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup
 from hpc_asyncppo.rollout.rollouter import Rollouter
 from hpc_asyncppo.transport.arrays import unpack_arrays
 from hpc_asyncppo.transport.samples import Control
+from hpc_asyncppo.transport.weight_group import WeightGroupSpec
 from hpc_asyncppo.transport.weights import WeightUpdate
 
 N = 2  # responses per group
@@ -35,6 +39,7 @@ class ScriptedLeader:
         self.script = deque(script)
         self.sent: list = []
         self.states: list[tuple[np.ndarray, dict]] = []
+        self.controls: list[tuple[Control, int]] = []  # what the rank told the leader
         self.finished = False
 
     @property
@@ -56,6 +61,9 @@ class ScriptedLeader:
     def send_state(self, state: np.ndarray, timeout_s: float) -> None:
         self.states.append(unpack_arrays(state))
 
+    def send_control(self, kind, value=0) -> None:
+        self.controls.append((kind, value))
+
     def send_validation(self, result) -> None:
         raise AssertionError("no validation was asked for")
 
@@ -65,7 +73,8 @@ class ScriptedLeader:
 
 class FakeEngine:
     """Every submitted group finishes at the next ``step`` unless ``hold`` is set; then it
-    stays in flight until an ``interrupt`` makes it a cut group (one token per response)."""
+    stays in flight until an ``interrupt`` makes it a cut group (one token per response).
+    With ``dead`` set, every call but ``unfinished`` and ``close`` raises ``EngineDied``."""
 
     stages_weights = False
 
@@ -78,24 +87,40 @@ class FakeEngine:
         self.loaded: list[int] = []
         self.version = -1
         self.closed = False
+        self.dead = False
+        self.joined: list = []  # the weight-group specs it joined
+        self.resumed: dict = {}  # key -> the partial group it continued
 
     @property
     def in_flight(self) -> int:
         return len(self.running)
 
+    def alive(self) -> None:
+        if self.dead:
+            raise EngineDied("the fake engine's process died (signal SIGKILL)")
+
     def join_weights(self, spec, first_rank) -> None:
-        pass
+        self.alive()
+        self.joined.append(spec)
 
     def update_weights(self, expected: int, digest: bool = False) -> WeightUpdate:
+        self.alive()
         self.loaded.append(expected)
         self.version = expected
         return WeightUpdate(expected, [""], 0.0)
 
     def submit(self, key, prompt, n, temperature=None) -> None:
+        self.alive()
         assert n == N
         self.running[key] = prompt
 
+    def resume(self, key, partial) -> None:
+        self.alive()
+        self.resumed[key] = partial
+        self.running[key] = partial.prompt
+
     def step(self):
+        self.alive()
         if self.hold:
             return []
         done = [(key, self.generation(LENGTH)) for key in self.running]
@@ -109,7 +134,7 @@ class FakeEngine:
         )  # fmt: skip
 
     def interrupt(self) -> None:
-        pass
+        self.alive()
 
     def unfinished(self):
         return [
@@ -124,7 +149,9 @@ class FakeEngine:
         self.closed = True
 
 
-def rollouter(tmp_path, tiny_model_dir, script, *overrides: str):
+def rollouter(tmp_path, tiny_model_dir, script, *overrides: str, engines: list | None = None):
+    """The rank, its engine and the scripted leader; ``engines`` (if given) collects every
+    engine built, the restarts' included."""
     cfg = load_config(
         overrides=[
             f"model.path={tiny_model_dir}",
@@ -135,13 +162,20 @@ def rollouter(tmp_path, tiny_model_dir, script, *overrides: str):
         ]  # fmt: skip
     )
     topo = SimpleNamespace(
-        world_rank=0, rollout_ranks=1, device=torch.device("cpu"), weights=None,
-        workers_per_rank=1, inter=None,
+        world_rank=0, rollout_ranks=1, device=torch.device("cpu"), inter=None,
+        weights=WeightGroupSpec("127.0.0.1", 0, 2, "gloo", 10.0), workers_per_rank=1,
     )  # fmt: skip
-    engine = FakeEngine(TinyTokenizer(tiny_model_dir))
+    built = engines if engines is not None else []
+
+    def new_engine() -> FakeEngine:
+        built.append(FakeEngine(TinyTokenizer(tiny_model_dir)))
+        return built[-1]
+
+    engine = new_engine()
     leader = ScriptedLeader(script)
     (tmp_path / "logs").mkdir(exist_ok=True)
-    return Rollouter(cfg, topo, tmp_path, engine=engine, sender=leader), engine, leader
+    rank = Rollouter(cfg, topo, tmp_path, engine=engine, sender=leader, new_engine=new_engine)
+    return rank, engine, leader
 
 
 def test_the_loop_answers_credits_syncs_a_checkpoint_and_stop(tmp_path, tiny_model_dir):
@@ -201,3 +235,83 @@ def test_a_resumed_cut_group_starts_again_under_new_weights_without_partial_roll
         (rank.prompts[5].index, 3)
     ]
     assert rank.tokens_regenerated == N
+
+
+def test_a_dead_engine_is_restarted_and_its_groups_continue_from_their_tokens(
+    tmp_path, tiny_model_dir
+):
+    """The engine dies with two groups mid-response: the rank says REJOIN at once, starts a
+    new engine, writes the two groups (still cut) into a checkpoint asked for meanwhile,
+    ignores the sync announced before the leader knew, joins the weight group's next
+    generation on REGROUP, and once the weights are back continues the groups from their
+    tokens (same version: kept even without partial rollout)."""
+    engines: list[FakeEngine] = []
+
+    def first(attr: str, value):
+        return lambda: setattr(engines[0], attr, value)
+
+    script = [
+        [(Control.CREDIT, 0), (Control.CREDIT, 1)],
+        first("hold", True),
+        [(Control.SYNC, 0)],  # 0 and 1 start and stay in flight
+        first("dead", True),
+        [(Control.CREDIT, 2)],  # the next step raises EngineDied: restart
+        [(Control.CHECKPOINT, 4)],  # the credit of 2 (not started) is void
+        [(Control.SYNC, 1)],  # announced on the old group: void
+        [(Control.REGROUP, 1)],
+        [(Control.SYNC, 0)],  # the same version again
+        [],
+        [],
+    ]
+    rank, engine, leader = rollouter(tmp_path, tiny_model_dir, script, engines=engines)
+    rank.run()
+
+    assert len(engines) == 2 and engines[0].closed and engines[1].closed
+    old, new = engines
+    assert leader.controls == [(Control.REJOIN, 1)]
+    assert old.loaded == [0] and new.loaded == [0]
+    assert [spec.generation for spec in new.joined] == [1]
+    # the groups of the dead engine continued in the new one from their tokens so far
+    assert sorted(new.resumed) == [(0, 0), (0, 1)]
+    assert all(p.tokens == N for p in new.resumed.values())
+    assert rank.tokens_regenerated == 0
+    prompts = [p.index for p in rank.prompts]
+    sent = sorted((g.prompt_index, g.param_version_start) for g in leader.sent)
+    assert sent == sorted((prompts[d], 0) for d in (0, 1))
+    assert {g.engine_restarts for g in leader.sent} == {1}
+    assert all(g.engine_restart_s > 0 for g in leader.sent)
+    # the checkpoint taken while the engine was out: both groups cut, with their tokens
+    (arrays, report) = leader.states[0]
+    assert report["partial_groups"] == 2 and arrays["unused"].tolist() == [2]
+    with CheckpointReader(protocol.step_dir(tmp_path, 4) / protocol.rollout_part(0)) as reader:
+        cut = reader.get("partial")
+    assert sorted(int(t["index"]) for t in cut) == [0, 1]
+    assert all(int(t["response_lengths"].sum()) == N for t in cut)
+
+
+def test_an_engine_dying_past_max_engine_restarts_fails_the_rank(tmp_path, tiny_model_dir):
+    engines: list[FakeEngine] = []
+
+    def kill(i: int):
+        return lambda: setattr(engines[i], "dead", True)
+
+    script = [
+        [(Control.CREDIT, 0)],
+        lambda: setattr(engines[0], "hold", True),
+        [(Control.SYNC, 0)],
+        kill(0),
+        [],
+        [(Control.REGROUP, 1)],
+        lambda: setattr(engines[1], "hold", True),
+        [(Control.SYNC, 0)],
+        kill(1),
+        [],
+    ]
+    rank, _, leader = rollouter(
+        tmp_path, tiny_model_dir, script, "rollout.max_engine_restarts=1", engines=engines
+    )
+    with pytest.raises(
+        RuntimeError, match=r"restarted 1 times already: rollout.max_engine_restarts=1"
+    ):
+        rank.run()
+    assert leader.controls == [(Control.REJOIN, 1)]
