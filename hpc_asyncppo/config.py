@@ -84,8 +84,9 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # vllm: GPUs (CPU workers) per rollout rank's engine
     gpu_memory_utilization: float = 0.5  # vllm on GPUs: GPU memory share for weights + KV
     cpu_kv_cache_gb: float = 1.0  # vllm on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE unless set)
-    # vllm: a decoding step that has not returned after this long (the engine process
-    # stopped or hung) kills the engine, naming it; 0: no limit
+    # vllm: a call on the engine (a decoding step, a weight update) that has not returned
+    # after this long (the engine process stopped or hung) kills the engine, naming it;
+    # 0: no limit
     engine_stall_s: float = 300.0
     # vllm: engines that die (or are killed for a stall) are restarted inside their rank
     # this many times per rank and attempt, the groups in flight continuing from their

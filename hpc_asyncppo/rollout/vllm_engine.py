@@ -30,9 +30,10 @@ per engine step (0: vLLM's defaults; chunked prefill stays on, so the token budg
 below the longest sequence), ``enable_prefix_caching``, ``enforce_eager`` (no CUDA graphs).
 
 Faults: a watch thread fails the waiting call when vLLM's engine process dies (vLLM's own
-client would wait on), and kills it when a decoding step has not returned for
-``rollout.engine_stall_s`` (the process stopped or hung: the rank's heartbeat goes on, so
-only this names it). Every call on the engine then raises ``EngineDied`` with the reason;
+client would wait on), and kills it when a call on it (a decoding step, a weight update)
+has not returned for ``rollout.engine_stall_s`` (the process stopped or hung: the rank's
+heartbeat goes on, so only this names it; joining the weight group is not watched, as it
+waits for other ranks' engines). Every call on the engine then raises ``EngineDied`` with the reason;
 the groups in flight keep their tokens so far in this process (``unfinished``), and the
 rollout rank restarts the engine in place and continues them (``rollouter.py``,
 ``rollout.max_engine_restarts``).
@@ -188,7 +189,8 @@ class VLLMEngine:
         self.standalone_bucket_mb = 64.0  # standalone: the sender's bucket size
         self.died: str | None = None  # why vLLM's engine process ended under us, if it did
         self.stall_s = rollout.engine_stall_s  # a step waiting this long: the engine is stuck
-        self._step_since: float | None = None  # when the step now waiting began
+        # the call on the engine now waiting: since when, and what it is (for the stall)
+        self._waiting: tuple[float, str] | None = None
         self._watched = threading.Event()  # set once ``died`` says why
         self._closing = False
         threading.Thread(target=self._watch, daemon=True, name="vllm-engine-watch").start()
@@ -240,11 +242,7 @@ class VLLMEngine:
         if not self.running:
             return []
         done = []
-        self._step_since = time.monotonic()
-        try:
-            outputs = self._engine_call(self.llm.step)
-        finally:
-            self._step_since = None
+        outputs = self._engine_call(self.llm.step)
         for out in outputs:
             if out.request_id not in self.running:
                 continue  # a straggler output of an aborted request
@@ -312,7 +310,8 @@ class VLLMEngine:
         """Every worker joins the weight group (TP worker w as ``first_rank + w``); blocks
         until the whole group has met (bounded by ``spec.timeout_s``)."""
         info = {**spec.as_dict(), "rank_offset": first_rank}
-        self._engine_call(self._rpc, "init_weight_transfer_engine", info)
+        # not watched for a stall: it waits for every member, other ranks' new engines too
+        self._engine_call(self._rpc, "init_weight_transfer_engine", info, watched=False)
         self.joined = True
 
     def update_weights(self, expected: int, digest: bool = False) -> WeightUpdate:
@@ -415,26 +414,33 @@ class VLLMEngine:
             queue.put_nowait(error)
 
     def _kill_if_stalled(self, procs: list) -> None:
-        """A step waiting longer than ``rollout.engine_stall_s`` (the engine process
-        stopped, or hung in a kernel or a collective): kill the engine core, whose death
-        then fails the waiting step as any death does, with this reason."""
-        since = self._step_since
-        if self.stall_s <= 0 or since is None or time.monotonic() - since <= self.stall_s:
+        """A call on the engine (a decoding step, a weight update) waiting longer than
+        ``rollout.engine_stall_s`` (the engine process stopped, or hung in a kernel or a
+        collective): kill the engine core, whose death then fails the waiting call as any
+        death does, with this reason."""
+        waiting = self._waiting
+        if self.stall_s <= 0 or waiting is None or time.monotonic() - waiting[0] <= self.stall_s:
             return
         core = next((p for p in procs if p.name.startswith("EngineCore")), procs[0])
         self.died = (
-            f"vLLM's engine process {core.name} (pid {core.pid}) returned no decoding step "
-            f"for rollout.engine_stall_s={self.stall_s:g} s with {len(self.running)} "
-            "requests running (stopped, or hung): killed it"
+            f"vLLM's engine process {core.name} (pid {core.pid}) {waiting[1]} for "
+            f"rollout.engine_stall_s={self.stall_s:g} s with {len(self.running)} requests "
+            "running (stopped, or hung): killed it"
         )
         log.error("%s", self.died)
         with contextlib.suppress(ProcessLookupError):
             os.kill(core.pid, signal.SIGKILL)  # a stopped process too
 
-    def _engine_call(self, call, *args):
-        """``call(*args)`` on vLLM's engine; its death is raised as ``died`` says it."""
+    def _engine_call(self, call, *args, watched: bool = True):
+        """``call(*args)`` on vLLM's engine; its death is raised as ``died`` says it.
+        ``watched``: the engine is killed if the call waits past ``engine_stall_s``."""
         if self.died:
             raise EngineDied(self.died)
+        if call == self.llm.step:
+            what = "returned no decoding step"
+        else:  # a weight update's RPC names its method
+            what = f"did not answer {args[0] if call == self._rpc else call.__name__}"
+        self._waiting = (time.monotonic(), what) if watched else None
         try:
             return call(*args)
         except Exception:
@@ -445,6 +451,8 @@ class VLLMEngine:
             if self.died:
                 raise EngineDied(self.died) from None
             raise
+        finally:
+            self._waiting = None
 
     def engine_processes(self) -> list:
         """vLLM's engine-core processes (``multiprocessing`` handles) this engine started."""
