@@ -1,0 +1,1 @@
+"""Tools a multi-turn rollout can call (the sandboxed code interpreter: ``sandbox.py``)."""
