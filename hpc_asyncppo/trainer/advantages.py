@@ -84,7 +84,9 @@ def token_advantages(
         return {"advantages": algos.token_advantages(batch["advantages"], mask)}
     out = {}
     token_rewards = torch.zeros_like(mask)
-    last = (mask.sum(dim=1).long() - 1).clamp(min=0)
+    # the reward sits on each response's last trained token (observation tokens are holes)
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask > 0, positions, 0).max(dim=1).values
     token_rewards[torch.arange(mask.shape[0]), last] = batch["rewards"]
     if algo.adv_estimator == "gae":
         raw, out["returns"] = algos.gae_advantages(

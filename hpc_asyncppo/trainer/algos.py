@@ -267,10 +267,13 @@ def reinforce_pp_advantages(
     `compute_reinforce_plus_plus_outcome_advantage`): discounted returns, whitened over
     the whole batch, no baseline and no critic.
 
-    Backwards over t: G_t = r_t + gamma * G_{t+1}, where G_{t+1} counts as 0 when position
-    t + 1 is masked out (verl resets the running return there, so a masked observation
-    token inside a response cuts the return; GAE passes through it instead). With the
-    reward on the last token, G_t = gamma^(T-1-t) * r.
+    Backwards over t: G_t = r_t + gamma * G_{t+1} over the unmasked positions; a masked
+    position is a hole the running return passes through unchanged (as GAE's does), so
+    trailing padding gets G = 0 and an observation token inside a response neither cuts
+    the return nor counts a discount step. Differs from verl only there: verl resets the
+    running return at every masked position, which cuts a multi-turn response's return
+    at its first observation; on single-turn responses the two are equal, bit for bit.
+    With the reward on the last token, G_t = gamma^(k) * r, k the unmasked positions after t.
 
     Args:
         token_rewards: (B, L) reward at each token (usually only the last is non-zero).
@@ -287,9 +290,9 @@ def reinforce_pp_advantages(
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros_like(token_rewards[:, 0])
     for t in reversed(range(token_rewards.shape[-1])):
-        running = token_rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]
+        step = token_rewards[:, t] + gamma * running
+        returns[:, t] = step  # at a masked position too, as verl's (never trained on)
+        running = torch.where(mask[:, t] > 0, step, running)
     if not whiten:
         return returns, returns
     return masked_whiten(returns, mask) * mask, returns

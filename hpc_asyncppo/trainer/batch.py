@@ -21,7 +21,10 @@ def collate(
     groups' own.
 
     Returns prompt_ids/prompt_mask (B, P) left-padded, response_ids/response_mask (B, L),
-    rollout_log_probs (B, L), rewards (B,), advantages (B,).
+    rollout_log_probs (B, L), rewards (B,), advantages (B,). With multi-turn groups (a
+    ``loss_mask``), ``response_mask`` is 0 on observation tokens too (holes: every loss,
+    estimator and statistic skips them) and ``response_attention`` (B, L) marks every
+    token of the response, observations included, for the model's attention.
     """
     width = max(g.prompt_ids.shape[0] for g in groups)
     rows = sum(g.n for g in groups)
@@ -36,6 +39,12 @@ def collate(
         row += g.n
     lengths = np.concatenate([g.response_lengths for g in groups])
     response_mask = (np.arange(length)[None, :] < lengths[:, None]).astype(np.int8)
+    holes = {}
+    if any(g.loss_mask is not None for g in groups):
+        trained = np.concatenate(
+            [g.loss_mask if g.loss_mask is not None else np.ones((g.n, length)) for g in groups]
+        ).astype(np.int8)
+        holes = {"response_attention": response_mask, "response_mask": response_mask * trained}
     return {
         "prompt_ids": prompt_ids,
         "prompt_mask": prompt_mask,
@@ -48,6 +57,7 @@ def collate(
             else rewards.reshape(-1).astype(np.float32)
         ),
         "advantages": advantages.reshape(-1).astype(np.float32),
+        **holes,
     }
 
 
@@ -108,9 +118,14 @@ def split_to_count(plan: list[np.ndarray], row_tokens: np.ndarray, count: int) -
     return plan
 
 
+def attention(batch: dict) -> torch.Tensor:
+    """(B, L) every token of each response (observations included): what the model sees."""
+    return batch.get("response_attention", batch["response_mask"])
+
+
 def row_tokens(batch: dict[str, torch.Tensor]) -> np.ndarray:
     """(B,) prompt + response tokens of each row (what a micro-batch's token budget counts)."""
-    lengths = batch["prompt_mask"].sum(dim=1) + batch["response_mask"].sum(dim=1)
+    lengths = batch["prompt_mask"].sum(dim=1) + attention(batch).sum(dim=1)
     return lengths.long().cpu().numpy()
 
 
@@ -121,7 +136,7 @@ def trim(batch: dict[str, torch.Tensor], rows: np.ndarray) -> dict[str, torch.Te
     out = {key: value[index] for key, value in batch.items()}
     widths = {
         "prompt_": int(out["prompt_mask"].sum(dim=1).max()) if rows.size else 1,
-        "response_": int(out["response_mask"].sum(dim=1).max()) if rows.size else 1,
+        "response_": int(attention(out).sum(dim=1).max()) if rows.size else 1,
     }
     for key, value in out.items():
         if value.ndim != 2:

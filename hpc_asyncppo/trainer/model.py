@@ -52,7 +52,9 @@ class PolicyModule(nn.Module):
         by right-padded responses."""
         prompt_width = batch["prompt_ids"].shape[1]
         input_ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
-        attention = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1).long()
+        # every response token is context, observations included (response_mask: trained)
+        response = batch.get("response_attention", batch["response_mask"])
+        attention = torch.cat([batch["prompt_mask"], response], dim=1).long()
         position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
         base = getattr(self.lm, self.lm.base_model_prefix)
         hidden = base(

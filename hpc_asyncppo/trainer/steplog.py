@@ -52,6 +52,9 @@ class StepLog:
         )
 
     def sample_row(self, group: SampleGroup, j: int, step: int, **extra: object) -> dict:
+        if group.loss_mask is not None:  # multi-turn: the response's tokens not trained on
+            length = int(group.response_lengths[j])
+            extra["observation_tokens"] = length - int(group.loss_mask[j, :length].sum())
         return {
             "uid": group.uid(j),
             "step": step,

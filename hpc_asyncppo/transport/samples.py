@@ -70,6 +70,9 @@ class SampleGroup:
     rollout_sync_pause_s: float = 0.0  # how long the sender's engine paused for its last sync
     engine_restarts: int = 0  # the sender's engine restarts in this attempt (cumulative)
     engine_restart_s: float = 0.0  # their time, each from the death to the weights loaded
+    # multi-turn: (n, L) 1 on the model's own tokens, 0 on observation tokens (a tool's or
+    # an environment's answer: part of the context, never trained); None: all the model's
+    loss_mask: np.ndarray | None = None
     meta: dict = field(default_factory=dict)
 
     @property
@@ -111,6 +114,8 @@ _ARRAYS = {
 
 def encode_group(group: SampleGroup) -> np.ndarray:
     arrays = {name: np.asarray(getattr(group, name), dtype=dt) for name, dt in _ARRAYS.items()}
+    if group.loss_mask is not None:  # absent for single-turn groups: their bytes unchanged
+        arrays["loss_mask"] = np.asarray(group.loss_mask, dtype=np.int8)
     meta = {name: getattr(group, name) for name in _SCALARS}
     return pack_arrays(arrays, meta)
 
@@ -118,7 +123,9 @@ def encode_group(group: SampleGroup) -> np.ndarray:
 def decode_group(buf: np.ndarray) -> SampleGroup:
     arrays, meta = unpack_arrays(buf)
     scalars = {k: meta[k] if k in meta else _SINCE[k] for k in _SCALARS}
-    return SampleGroup(**scalars, **{k: arrays[k] for k in _ARRAYS})
+    return SampleGroup(
+        **scalars, **{k: arrays[k] for k in _ARRAYS}, loss_mask=arrays.get("loss_mask")
+    )
 
 
 def _control(kind: Control, value: int = 0, extra: list[int] | None = None) -> np.ndarray:

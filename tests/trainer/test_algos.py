@@ -464,11 +464,27 @@ def test_reinforce_pp_discounts_returns_and_whitens_them():
     close(advantages, [w[:3], [w[3], w[4], 0.0]])
 
 
-def test_reinforce_pp_restarts_the_return_after_a_masked_token():
-    # verl resets the running return after every masked-out position (not a pass-through
-    # like GAE): the return before the masked observation token starts again from 0
-    _, returns = algos.reinforce_pp_advantages(t([[0.0, 0.0, 1.0]]), t([[1, 0, 1]]), 1.0, False)
-    close(returns, [[0.0, 1.0, 1.0]])
+def test_reinforce_pp_passes_through_an_observation_token():
+    # a masked-out token inside a response (an observation) is a hole, as in GAE: the
+    # return reaches the tokens before it (verl's resets there) and the hole counts no
+    # discount step: gamma 0.5 gives 0.5 one trained token before the reward
+    _, returns = algos.reinforce_pp_advantages(t([[0.0, 0.0, 1.0]]), t([[1, 0, 1]]), 0.5, False)
+    close(returns[:, [0, 2]], [[0.5, 1.0]])  # (the hole's own return is never trained on)
+
+
+def test_a_multi_turn_responses_reward_sits_on_its_last_trained_token():
+    """Tokens 1-2 are an observation, token 5 padding: the reward goes on token 4 (not on
+    token 2, the count of trained tokens minus one, where GAE would drop it), and the
+    return reaches token 0 over the hole with two discount steps, not four."""
+    from hpc_asyncppo.config import Config
+    from hpc_asyncppo.trainer.advantages import token_advantages
+
+    algo = Config().algorithm
+    algo.adv_estimator, algo.gamma, algo.lam = "gae", 0.5, 1.0
+    mask = t([[1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 0, 0]])
+    batch = {"rewards": t([1.0, 0.0]), "response_mask": mask}
+    out = token_advantages(algo, batch, torch.zeros_like(mask), lambda x: x)
+    close(out["returns"][0, [0, 3, 4]], [0.25, 0.5, 1.0])
 
 
 # --- GSPO -----------------------------------------------------------------------------------

@@ -33,9 +33,19 @@ from tests.conftest import end_spawned_rank, free_port
 CPU = torch.device("cpu")
 
 
-def make_batch(rows: int = 16, prompt: int = 4, length: int = 6, seed: int = 0) -> dict:
-    """Rows with prompts of 1..prompt tokens (left-padded) and responses of 1..length tokens."""
-    return random_batch(rows, seed, prompt, length)
+def make_batch(
+    rows: int = 16, prompt: int = 4, length: int = 6, seed: int = 0, holes: bool = False
+) -> dict:
+    """Rows with prompts of 1..prompt tokens (left-padded) and responses of 1..length tokens.
+    ``holes``: multi-turn rows, as ``collate`` lays them out: in every response of 4 tokens
+    or more, tokens 1 and 2 are an observation (context, never trained)."""
+    batch = random_batch(rows, seed, prompt, length)
+    if holes:
+        attention = batch["response_mask"]
+        trained = attention.copy()
+        trained[attention.sum(axis=1) >= 4, 1:3] = 0
+        batch["response_attention"], batch["response_mask"] = attention, trained
+    return batch
 
 
 def make_cfg(model_dir: Path, **sections: dict) -> Config:
@@ -104,6 +114,11 @@ COMBOS = [(mode, algo) for mode in MODES for algo in ("grpo", "gae_kl_entropy")]
     ("token-mean", "reinforce_pp_token_rs"),
     ("seq-mean-token-sum", "reinforce_pp_token_rs"),
 ]
+# multi-turn batches (observation holes): every mode, and each per-token estimator
+HOLES = [(mode, "grpo") for mode in MODES] + [
+    ("seq-mean-token-mean", "gae_kl_entropy"),
+    ("seq-mean-token-sum", "reinforce_pp_token_rs"),
+]
 
 
 def _gradient_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
@@ -111,11 +126,13 @@ def _gradient_worker(rank: int, world: int, port: int, model_dir: str, out: str)
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     torch.set_num_threads(1)
-    batch = make_batch()
+    batches = {"": make_batch(), "-holes": make_batch(holes=True)}
+    cases = [(m, a, "") for m, a in COMBOS] + [(m, a, "-holes") for m, a in HOLES]
     for split, (ranks, actor) in SPLITS.items():
         if ranks != world:
             continue
-        for mode, algo in COMBOS:
+        for mode, algo, kind in cases:
+            batch = batches[kind]
             sections = {k: dict(v) for k, v in ALGOS[algo].items()}
             sections["actor"] = {**sections.get("actor", {}), **actor, "loss_agg_mode": mode}
             policy = Policy(make_cfg(Path(model_dir), **sections), CPU)
@@ -132,7 +149,7 @@ def _gradient_worker(rank: int, world: int, port: int, model_dir: str, out: str)
                 grads["pg_loss"] = loss.numpy()
                 if "rs_keep" in merged:
                     grads["rs_counts"] = kept.numpy()
-                np.savez(Path(out) / f"{split}-{mode}-{algo}.npz", **grads)
+                np.savez(Path(out) / f"{split}-{mode}-{algo}{kind}.npz", **grads)
     end_spawned_rank()
 
 
@@ -150,7 +167,7 @@ def split_gradients(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
     return out
 
 
-@pytest.mark.parametrize(("mode", "algo"), COMBOS)
+@pytest.mark.parametrize(("mode", "algo"), COMBOS + [(m, f"{a}-holes") for m, a in HOLES])
 @pytest.mark.parametrize("split", [s for s in SPLITS if s != "whole"])
 def test_gradients_do_not_depend_on_the_split(split_gradients, split, mode, algo):
     whole = np.load(split_gradients / f"whole-{mode}-{algo}.npz")
@@ -169,6 +186,22 @@ def test_a_per_micro_batch_token_mean_would_have_been_caught(split_gradients):
     b = np.load(split_gradients / "whole-seq-mean-token-mean-grpo.npz")
     name = "lm.model.layers.0.mlp.down_proj.weight"
     assert np.abs(a[name] - b[name]).max() > 1e-3 * np.abs(a[name]).max()
+
+
+def test_observation_holes_are_context_but_never_trained(split_gradients, tiny_model_dir):
+    """The holes test has teeth: the same batch with holes gives other gradients; and an
+    observation stays context: every token's log-prob is the same with or without holes."""
+    for mode, algo in HOLES:
+        a = np.load(split_gradients / f"whole-{mode}-{algo}.npz")
+        b = np.load(split_gradients / f"whole-{mode}-{algo}-holes.npz")
+        name = "lm.model.layers.0.mlp.down_proj.weight"
+        assert np.abs(a[name] - b[name]).max() > 1e-3 * np.abs(a[name]).max(), (mode, algo)
+    policy = Policy(make_cfg(tiny_model_dir), CPU)
+    plain = to_tensors(make_batch(), CPU)
+    holes = to_tensors(make_batch(holes=True), CPU)
+    assert not torch.equal(plain["response_mask"], holes["response_mask"])
+    with torch.no_grad():
+        assert torch.equal(policy.forward(plain)[0], policy.forward(holes)[0])
 
 
 def test_the_recipes_change_the_gradients(split_gradients):

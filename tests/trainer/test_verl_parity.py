@@ -356,9 +356,10 @@ def test_gae_equals_verls(verl_ref, seed, rows, width, gamma, lam):
 @pytest.mark.parametrize(("seed", "rows", "width"), CASES)
 @pytest.mark.parametrize("gamma", [1.0, 0.9, 0.0])
 def test_reinforce_pp_equals_verls(verl_ref, seed, rows, width, gamma):
-    """reinforce_pp_advantages, rewards on every token and masks with holes (the return
-    restarts after a masked-out token, as verl's): advantages and returns equal verl's."""
-    rewards, _, mask = token_inputs(seed, rows, width)
+    """reinforce_pp_advantages, rewards on every token, single-turn masks: advantages and
+    returns equal verl's. With holes (observation tokens) they differ by design: verl's
+    return restarts after a masked-out token, ours passes through it (test_algos)."""
+    rewards, _, mask = token_inputs(seed, rows, width, holes=False)
     ours = algos.reinforce_pp_advantages(rewards, mask, gamma)
     theirs = verl_ref.core.compute_reinforce_plus_plus_outcome_advantage(
         rewards, mask, config=SimpleNamespace(gamma=gamma)

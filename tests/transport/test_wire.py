@@ -42,6 +42,30 @@ def test_group_round_trip_is_exact():
         assert getattr(back, name).dtype == getattr(group, name).dtype
 
 
+def test_a_multi_turn_groups_loss_mask_travels_and_single_turn_bytes_do_not_change():
+    import dataclasses
+
+    from hpc_asyncppo.trainer.batch import collate
+
+    plain = make_group()
+    mask = np.ones((3, 5), dtype=np.int8)
+    mask[0, 1:3] = 0  # response 0: tokens 1-2 are a tool's answer
+    multi = dataclasses.replace(plain, loss_mask=mask)
+    assert decode_group(encode_group(plain)).loss_mask is None
+    back = decode_group(encode_group(multi))
+    np.testing.assert_array_equal(back.loss_mask, mask)
+    assert len(encode_group(multi)) > len(encode_group(plain))
+    # collate: the holes leave the trained mask, not the model's attention
+    batch = collate([back, plain], np.zeros((2, 3)), pad_id=0)
+    lengths = np.array([5, 2, 1] * 2)
+    attention = (np.arange(5)[None] < lengths[:, None]).astype(np.int8)
+    np.testing.assert_array_equal(batch["response_attention"], attention)
+    expected = attention.copy()
+    expected[0, 1:3] = 0
+    np.testing.assert_array_equal(batch["response_mask"], expected)
+    assert "response_attention" not in collate([plain], np.zeros((1, 3)), pad_id=0)
+
+
 def test_uids_are_unique_per_response_and_deterministic():
     group = make_group()
     assert [group.uid(j) for j in range(3)] == [
