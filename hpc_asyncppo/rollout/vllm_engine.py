@@ -33,7 +33,9 @@ Faults: a watch thread fails the waiting call when vLLM's engine process dies (v
 client would wait on), and kills it when a call on it (a decoding step, a weight update)
 has not returned for ``rollout.engine_stall_s`` (the process stopped or hung: the rank's
 heartbeat goes on, so only this names it; joining the weight group is not watched, as it
-waits for other ranks' engines). Every call on the engine then raises ``EngineDied`` with the reason;
+waits for other ranks' engines). A weight update waits on the broadcast, so on the leader
+and every member: a member that stops or dies mid-broadcast stalls it for the others
+too, and they restart their engines as well, after ``engine_stall_s``. Every call on the engine then raises ``EngineDied`` with the reason;
 the groups in flight keep their tokens so far in this process (``unfinished``), and the
 rollout rank restarts the engine in place and continues them (``rollouter.py``,
 ``rollout.max_engine_restarts``).
@@ -438,7 +440,11 @@ class VLLMEngine:
             raise EngineDied(self.died)
         if call == self.llm.step:
             what = "returned no decoding step"
-        else:  # a weight update's RPC names its method
+        elif call == self._rpc and args[0] == "update_weights":
+            # a broadcast waits on the leader and every member: one stopped or dead member
+            # stalls it for all, and each waiting rank restarts its engine
+            what = "received no whole weight update (its broadcast stalled: a member stopped?)"
+        else:
             what = f"did not answer {args[0] if call == self._rpc else call.__name__}"
         self._waiting = (time.monotonic(), what) if watched else None
         try:

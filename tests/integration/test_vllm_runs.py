@@ -241,14 +241,15 @@ def wait_for_restarts(proc: subprocess.Popen, run_dir: Path, restarts: int, step
 
 @pytest.mark.timeout(900)
 def test_dead_and_stuck_engines_restart_in_place_and_lose_nothing(tmp_path):
-    """vLLM's engine core SIGKILLed twice at different moments, then stopped (SIGSTOP) until
-    ``rollout.engine_stall_s``: each time the rank restarts the engine in place, the leader
-    has the weight group meet anew and sends the weights again, and the groups in flight
+    """Two rollout ranks on vLLM: rank 0's engine core SIGKILLed twice at different moments,
+    then rank 1's stopped (SIGSTOP) until ``rollout.engine_stall_s``: each time the rank
+    restarts its engine in place, the leader has the weight group meet anew (the other
+    rank's worker rejoins it too) and sends the weights again, and the groups in flight
     continue from their tokens (partial rollout; without it they are kept only when the
     weights sent again are those that sampled them, and a sync every step makes that
     rare: the leader is often mid-broadcast when the engine dies, which the leader
     survives too). The run finishes in one attempt with every sample trained once at its
-    true staleness, the rank's weights equal to the leader's at every version, and the
+    true staleness, both ranks' weights equal to the leader's at every version, and the
     restarts in the metrics and goodput.jsonl."""
     run_dir = tmp_path / "run"
     steps = 24
@@ -256,26 +257,34 @@ def test_dead_and_stuck_engines_restart_in_place_and_lose_nothing(tmp_path):
             "async_training.partial_rollout=true",
             "rollout.ignore_eos=true", "rollout.engine_stall_s=5", f"trainer.total_steps={steps}",
             "trainer.max_restarts=0"]  # fmt: skip
-    proc = launch(run_dir, "--run-dir", str(run_dir), "--rollout-ranks", "1", *args)
+    proc = launch(run_dir, "--run-dir", str(run_dir), "--rollout-ranks", "2", *args)
     wait_for_steps(proc, run_dir, 3)
     os.kill(engine_core(run_dir, 0), signal.SIGKILL)  # while it generates
     wait_for_restarts(proc, run_dir, 1, 3)
     os.kill(engine_core(run_dir, 0), signal.SIGKILL)
     wait_for_restarts(proc, run_dir, 2, 3)
-    os.kill(engine_core(run_dir, 0), signal.SIGSTOP)  # killed after engine_stall_s
+    os.kill(engine_core(run_dir, 1), signal.SIGSTOP)  # killed after engine_stall_s
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out + err
 
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
-    assert metrics[-1]["rollout/engine_restarts"] == 3
+    # 3, or 4 when the stop came during a broadcast: rank 0's update then stalled too, and
+    # its engine restarted after engine_stall_s as well
+    restarts = metrics[-1]["rollout/engine_restarts"]
+    assert restarts in (3, 4), restarts
     (attempt,) = read_jsonl(run_dir / "goodput.jsonl")
-    assert attempt["reason"] == "finished" and attempt["engine_restarts"] == 3
+    assert attempt["reason"] == "finished" and attempt["engine_restarts"] == restarts
     assert attempt["engine_restart_s"] > 0 and attempt["tokens_regenerated"] == 0
     trained = check_audit(run_dir, sync_every=1, max_staleness=4, partial=True)
     assert len({r["uid"] for r in trained}) == len(trained) == metrics[-1]["samples/total"]
-    check_weights_match(run_dir, rollout_ranks=1, versions=steps + 1)
-    log = (run_dir / "logs" / "rank0.log").read_text()
-    assert "returned no decoding step for rollout.engine_stall_s=5 s" in log
-    kept = [int(t) for t in re.findall(r"groups in flight \((\d+) tokens\) continue", log)]
-    assert len(kept) == 3 and sum(kept) > 0, kept
+    check_weights_match(run_dir, rollout_ranks=2, versions=steps + 1)
+    logs = [(run_dir / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1)]
+    # the stop finds rank 1 in a decoding step or in a weight update's RPC
+    assert re.search(r"pid \d+\) [^\n]* for rollout.engine_stall_s=5 s with \d+ requests", logs[1])
+    kept = [
+        int(t)
+        for log in logs
+        for t in re.findall(r"groups in flight \((\d+) tokens\) continue", log)
+    ]
+    assert len(kept) == restarts and sum(kept) > 0, kept
