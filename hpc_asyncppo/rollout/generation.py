@@ -16,12 +16,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class Generation:
     """The n responses to one prompt. Shapes: (n, L) for ids, log-probs and versions, (n,) for
-    lengths. ``versions``: the weights version that sampled each token (-1 past the length)."""
+    lengths. ``versions``: the weights version that sampled each token (-1 past the length).
+    ``loss_mask`` (n, L) int8, multi-turn only: 0 on observation tokens (a tool's or an
+    environment's answer: log-prob 0, version -1, never trained); None when every token
+    is the model's."""
 
     response_ids: np.ndarray
     response_lengths: np.ndarray
     log_probs: np.ndarray
     versions: np.ndarray
+    loss_mask: np.ndarray | None = None
 
 
 @dataclass
@@ -43,13 +47,24 @@ class PartialGroup:
 @dataclass
 class Response:
     """One of a group's n responses as an engine samples it: its tokens so far, their
-    log-probs, and the weights version that sampled each."""
+    log-probs, and the weights version that sampled each. Multi-turn: ``observe`` appends
+    an observation (context the engines continue from, as they continue from any tokens
+    so far; never trained), and ``observations`` keeps where each one lies."""
 
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finished: bool = False
     request_id: str | None = None  # vllm: the request generating it now; None: not running
+    observations: list[tuple[int, int]] = field(default_factory=list)  # [start, end) spans
+
+    def observe(self, tokens: list[int]) -> None:
+        """Append a tool's or an environment's answer (log-prob 0, version -1)."""
+        start = len(self.tokens)
+        self.tokens += tokens
+        self.log_probs += [0.0] * len(tokens)
+        self.versions += [-1] * len(tokens)
+        self.observations.append((start, len(self.tokens)))
 
 
 @dataclass
@@ -76,6 +91,7 @@ class ResponseGroup:
                     g.log_probs[j, :length].tolist(),
                     g.versions[j, :length].tolist(),
                     bool(partial.finished[j]),
+                    observations=spans(g.loss_mask[j, :length]) if g.loss_mask is not None else [],
                 )
                 for j, length in enumerate(g.response_lengths.tolist())
             ],
@@ -88,6 +104,9 @@ class ResponseGroup:
         log_probs = np.zeros((n, width), dtype=np.float32)
         versions = np.full((n, width), -1, dtype=np.int32)
         lengths = np.zeros(n, dtype=np.int32)
+        loss_mask = None
+        if any(r.observations for r in self.responses):
+            loss_mask = np.ones((n, width), dtype=np.int8)
         for j, r in enumerate(self.responses):
             length = lengths[j] = len(r.tokens)
             ids[j, :length], log_probs[j, :length], versions[j, :length] = (
@@ -95,12 +114,22 @@ class ResponseGroup:
                 r.log_probs,
                 r.versions,
             )
-        return Generation(ids, lengths, log_probs, versions)
+            for start, end in r.observations:
+                loss_mask[j, start:end] = 0
+        return Generation(ids, lengths, log_probs, versions, loss_mask)
 
     def partial(self, width: int, pad_id: int) -> PartialGroup:
         """This group cut where it stands (for a checkpoint)."""
         finished = np.array([r.finished for r in self.responses], dtype=bool)
         return PartialGroup(list(self.prompt), self.generation(width, pad_id), finished)
+
+
+def spans(loss_mask: np.ndarray) -> list[tuple[int, int]]:
+    """The [start, end) runs of 0 in one response's loss mask: its observations."""
+    edges = np.diff(np.concatenate([[1], np.asarray(loss_mask, dtype=np.int8), [1]]))
+    return list(
+        zip(np.flatnonzero(edges == -1).tolist(), np.flatnonzero(edges == 1).tolist(), strict=True)
+    )
 
 
 def response_lengths(responses: torch.Tensor, eos_id: int) -> torch.Tensor:

@@ -517,6 +517,7 @@ class Rollouter:
             response_ids=gen.response_ids,
             response_lengths=gen.response_lengths,
             rollout_log_probs=gen.log_probs,
+            loss_mask=gen.loss_mask,
             rewards=np.asarray(rewards, dtype=np.float32),
             rollout_idle_s=self.idle_s,
             rollout_elapsed_s=time.monotonic() - self.started_at,
@@ -540,12 +541,18 @@ def cut_group_tree(epoch: int, index: int, version_start: int, partial: PartialG
         "log_probs": g.log_probs,
         "versions": g.versions,
         "finished": partial.finished,
+        # multi-turn: where the observations lie (absent for single-turn groups)
+        **({"loss_mask": g.loss_mask} if g.loss_mask is not None else {}),
     }
 
 
 def cut_group_of(tree: dict) -> tuple[int, int, int, PartialGroup]:
     sofar = Generation(
-        tree["response_ids"], tree["response_lengths"], tree["log_probs"], tree["versions"]
+        tree["response_ids"],
+        tree["response_lengths"],
+        tree["log_probs"],
+        tree["versions"],
+        tree.get("loss_mask"),
     )
     partial = PartialGroup(tree["prompt"].tolist(), sofar, tree["finished"].astype(bool))
     return int(tree["epoch"]), int(tree["index"]), int(tree["version_start"]), partial

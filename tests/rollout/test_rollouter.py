@@ -315,3 +315,34 @@ def test_an_engine_dying_past_max_engine_restarts_fails_the_rank(tmp_path, tiny_
     ):
         rank.run()
     assert leader.controls == [(Control.REJOIN, 1)]
+
+
+def test_a_multi_turn_group_keeps_its_observations_through_a_checkpoint(tmp_path):
+    """A response with a tool's answer inside, cut and written into a rollout part, read
+    back and continued: the observation is where it was (log-prob 0, version -1, loss
+    mask 0), and the group sent at the end carries the mask; a single-turn group none."""
+    from hpc_asyncppo.checkpoint.store import load_checkpoint, save_checkpoint
+    from hpc_asyncppo.rollout.generation import Response, ResponseGroup
+    from hpc_asyncppo.rollout.rollouter import cut_group_of, cut_group_tree
+
+    first, second = Response(), Response()
+    for r, version in ((first, 3), (second, 3)):
+        r.tokens, r.log_probs, r.versions = [5, 6], [-0.1, -0.2], [version, version]
+    first.observe([9, 9, 9])  # a tool's answer, after the model's call
+    first.tokens, first.log_probs, first.versions = (
+        first.tokens + [7], first.log_probs + [-0.3], first.versions + [4]
+    )  # fmt: skip
+    group = ResponseGroup([1, 2], [first, second])
+    tree = cut_group_tree(0, 5, 3, group.partial(LENGTH * 3, 0))
+    save_checkpoint(tmp_path / "part.h5", {"partial": [tree]}, {})
+    (back,) = load_checkpoint(tmp_path / "part.h5")[0]["partial"]
+    *_, partial = cut_group_of(back)
+    again = ResponseGroup.of(partial)
+    assert again.responses[0].observations == [(2, 5)] and again.responses[1].observations == []
+    gen = again.generation(LENGTH * 3, 0)
+    assert gen.loss_mask[0, :6].tolist() == [1, 1, 0, 0, 0, 1]
+    assert gen.log_probs[0, 2:5].tolist() == [0.0] * 3 and gen.versions[0, 2:5].tolist() == [-1] * 3
+    assert gen.loss_mask[1].all()
+    plain = ResponseGroup([1, 2], [second]).generation(LENGTH, 0)
+    assert plain.loss_mask is None
+    assert "loss_mask" not in cut_group_tree(0, 5, 3, ResponseGroup([1], [second]).partial(3, 0))
