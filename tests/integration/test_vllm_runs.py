@@ -241,18 +241,19 @@ def wait_for_restarts(proc: subprocess.Popen, run_dir: Path, restarts: int, step
 
 @pytest.mark.timeout(900)
 def test_dead_and_stuck_engines_restart_in_place_and_lose_nothing(tmp_path):
-    """Two rollout ranks on vLLM: rank 0's engine core SIGKILLed twice at different moments,
-    then rank 1's stopped (SIGSTOP) until ``rollout.engine_stall_s``: each time the rank
-    restarts its engine in place, the leader has the weight group meet anew (the other
-    rank's worker rejoins it too) and sends the weights again, and the groups in flight
-    continue from their tokens (partial rollout; without it they are kept only when the
+    """Two rollout ranks on vLLM: rank 0's engine core SIGKILLed, later stopped (SIGSTOP)
+    until ``rollout.engine_stall_s``: each time the rank restarts its engine in place, the
+    leader has the weight group meet anew (rank 1's worker rejoins it too) and sends the
+    weights again, and the groups in flight continue from their tokens (partial rollout; without it they are kept only when the
     weights sent again are those that sampled them, and a sync every step makes that
     rare: the leader is often mid-broadcast when the engine dies, which the leader
-    survives too). The run finishes in one attempt with every sample trained once at its
-    true staleness, both ranks' weights equal to the leader's at every version, and the
-    restarts in the metrics and goodput.jsonl."""
+    survives too; rank 1, receiving that broadcast, then waits engine_stall_s and restarts
+    its engine as well: a rank's receive cannot be woken sooner). The run finishes in one
+    attempt with every sample trained once at its true staleness, both ranks' weights equal
+    to the leader's at every version, and the restarts in the metrics and goodput.jsonl.
+    The same with one rollout rank and three faults (two SIGKILLs): BENCHMARKS.md."""
     run_dir = tmp_path / "run"
-    steps = 24
+    steps = 18
     args = [*VLLM, "async_training.trigger_parameter_sync_step=1", "rollout.response_length=48",
             "async_training.partial_rollout=true",
             "rollout.ignore_eos=true", "rollout.engine_stall_s=5", f"trainer.total_steps={steps}",
@@ -261,27 +262,26 @@ def test_dead_and_stuck_engines_restart_in_place_and_lose_nothing(tmp_path):
     wait_for_steps(proc, run_dir, 3)
     os.kill(engine_core(run_dir, 0), signal.SIGKILL)  # while it generates
     wait_for_restarts(proc, run_dir, 1, 3)
-    os.kill(engine_core(run_dir, 0), signal.SIGKILL)
-    wait_for_restarts(proc, run_dir, 2, 3)
-    os.kill(engine_core(run_dir, 1), signal.SIGSTOP)  # killed after engine_stall_s
+    os.kill(engine_core(run_dir, 0), signal.SIGSTOP)  # killed after engine_stall_s
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out + err
 
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
-    # 3, or 4 when the stop came during a broadcast: rank 0's update then stalled too, and
-    # its engine restarted after engine_stall_s as well
+    # each of the 2 faults restarts rank 0's engine, and rank 1's too when it came during a
+    # broadcast (rank 1's receive stalled: restarted after engine_stall_s); every one named
+    logs = [(run_dir / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1)]
+    named = [len(re.findall(r"; restarting the engine \(restart", log)) for log in logs]
     restarts = metrics[-1]["rollout/engine_restarts"]
-    assert restarts in (3, 4), restarts
+    assert named[0] >= 2 and sum(named) <= 4 and restarts == sum(named), (named, restarts)
     (attempt,) = read_jsonl(run_dir / "goodput.jsonl")
     assert attempt["reason"] == "finished" and attempt["engine_restarts"] == restarts
     assert attempt["engine_restart_s"] > 0 and attempt["tokens_regenerated"] == 0
     trained = check_audit(run_dir, sync_every=1, max_staleness=4, partial=True)
     assert len({r["uid"] for r in trained}) == len(trained) == metrics[-1]["samples/total"]
     check_weights_match(run_dir, rollout_ranks=2, versions=steps + 1)
-    logs = [(run_dir / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1)]
-    # the stop finds rank 1 in a decoding step or in a weight update's RPC
-    assert re.search(r"pid \d+\) [^\n]* for rollout.engine_stall_s=5 s with \d+ requests", logs[1])
+    # the stop finds rank 0 in a decoding step or in a weight update's RPC
+    assert re.search(r"pid \d+\) [^\n]* for rollout.engine_stall_s=5 s with \d+ requests", logs[0])
     kept = [
         int(t)
         for log in logs
