@@ -69,6 +69,27 @@ class DataConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools (verl's ``actor_rollout_ref.rollout.multi_turn``
+    names). A response becomes turns: the model's, each ending at EOS, and the tools'
+    answers between them (observation tokens: context, never trained). ``rollout/turns.py``."""
+
+    enable: bool = False
+    max_assistant_turns: int = 0  # the model's turns per trajectory at most; 0: no limit
+    max_user_turns: int = 0  # observations (tool answers) per trajectory at most; 0: no limit
+    max_parallel_calls: int = 1  # tool calls running at once on a rollout rank (its pool)
+    max_tool_response_length: int = 256  # characters of one tool answer kept (verl's unit)
+    tool_response_truncate_side: str = "middle"  # left | middle | right: which part is kept
+    tool_config_path: str = ""  # verl's tool YAML (tools/base.py); empty: no tools
+    format: str = "hermes"  # <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen2.5)
+    # the model's turn ends at a call's end (a token ending with </tool_call>: Qwen2.5 has it
+    # as one) as well as at EOS: one call per turn, and no tokens spent on what a model
+    # writes after its call; false: at EOS only (verl's way), several calls a turn
+    stop_at_tool_call: bool = True
+    tool_timeout_s: float = 30.0  # a call running longer answers with an error (and is counted)
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "hf"  # hf (transformers generate, CPU or GPU) | vllm
     n: int = 8  # responses sampled per prompt (the GRPO group size)
@@ -99,6 +120,7 @@ class RolloutConfig:
     record_sent_groups: bool = False  # each rollout rank logs every group it sends (tests)
     val_n: int = 1  # validation: responses per data.val prompt (val/pass@k has k = val_n)
     val_temperature: float = 0.0  # validation sampling temperature; 0: greedy
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -361,6 +383,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.rollout_rs": ("none", "token", "sequence", "geometric"),
     "algorithm.filter_groups.metric": ("acc", "score", "seq_reward", "seq_final_reward"),
     "async_training.mode": ("fully_async", "sync"),
+    "rollout.multi_turn.format": ("hermes",),
+    "rollout.multi_turn.tool_response_truncate_side": ("left", "middle", "right"),
 }
 
 # Head sizes vLLM's CPU attention backend supports (vllm 0.32, CPUAttentionBackend).
@@ -424,6 +448,11 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "trainer.stall_timeout_s": (0, False),
     "rollout.engine_stall_s": (0, False),
     "rollout.max_engine_restarts": (0, False),
+    "rollout.multi_turn.max_assistant_turns": (0, False),
+    "rollout.multi_turn.max_user_turns": (0, False),
+    "rollout.multi_turn.max_parallel_calls": (1, False),
+    "rollout.multi_turn.max_tool_response_length": (1, False),
+    "rollout.multi_turn.tool_timeout_s": (0, True),
     "trainer.weight_sync_bucket_mb": (1, False),
     "checkpoint.save_every": (0, False),
     "checkpoint.keep": (1, False),
@@ -627,6 +656,19 @@ def validate(cfg: Config, rollout_ranks: int = 1, train_ranks: int = 1) -> None:
             "async_training.partial_rollout=true needs rollout.engine=vllm "
             "(the hf engine cannot cut a generation and resume it)"
         )
+    turns = cfg.rollout.multi_turn
+    if turns.tool_config_path and not turns.enable:
+        raise ConfigError(
+            "rollout.multi_turn.tool_config_path is set but rollout.multi_turn.enable=false: "
+            "set rollout.multi_turn.enable=true to give the model its tools"
+        )
+    if turns.enable and not turns.tool_config_path:
+        raise ConfigError(
+            "rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path=PATH "
+            "(verl's tool YAML, see hpc_asyncppo/tools/base.py)"
+        )
+    if turns.enable:
+        tool_config_file(turns.tool_config_path)
     if cfg.rollout.engine == "hf" and cfg.rollout.tensor_parallel_size > 1:
         raise ConfigError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
     tiny_head_dim = cfg.model.tiny.hidden_size // cfg.model.tiny.num_heads
@@ -720,6 +762,17 @@ def load_config(
     cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     validate(cfg, rollout_ranks, train_ranks)
     return cfg
+
+
+def tool_config_file(path: str) -> Path:
+    """``rollout.multi_turn.tool_config_path`` as given, or a file in configs/ (the tool
+    configs this repository ships: ``tools/lookup.yaml``, ``tools/code_interpreter.yaml``)."""
+    for candidate in (Path(path), CONFIG_DIR / path):
+        if candidate.is_file():
+            return candidate.resolve()
+    raise ConfigError(
+        f"rollout.multi_turn.tool_config_path={path!r}: no such file (looked in . and {CONFIG_DIR})"
+    )
 
 
 def resolve_config_path(path: str | Path) -> Path:

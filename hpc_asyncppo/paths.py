@@ -7,6 +7,7 @@ Created before any rank starts (``launch/rundir.py``), read by every rank and by
   RUN_DIR/launch.json             LAUNCH     where and with how many ranks the run was started
   RUN_DIR/model/                  MODEL      the tiny default model, when model.path was empty
                                              (a copy of a cached build, models/tiny.py)
+  RUN_DIR/tool_config.yaml        TOOLS      multi-turn: the run's copy of its tool config
   RUN_DIR/overlong_prompts.json   OVERLONG   prompts left out for exceeding
                                              data.max_prompt_length (if any)
   RUN_DIR/ranks/rank{i}.json      RANKS      where each rank ran (host, Slurm partition, pid,
@@ -41,6 +42,7 @@ Names only, no imports: any module may use them without an import cycle.
 CONFIG = "config.yaml"
 LAUNCH = "launch.json"
 MODEL = "model"
+TOOLS = "tool_config.yaml"
 OVERLONG = "overlong_prompts.json"
 RANKS = "ranks"
 HEARTBEATS = "heartbeats"

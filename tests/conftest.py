@@ -142,6 +142,7 @@ def trainer_log_probs(
             response_lengths=g.response_lengths,
             rollout_log_probs=g.log_probs,
             rewards=np.zeros(g.response_ids.shape[0], np.float32),
+            loss_mask=g.loss_mask,  # multi-turn: observation tokens are holes in the mask
         )  # fmt: skip
         for i, (p, g) in enumerate(zip(prompts, gens, strict=True))
     ]

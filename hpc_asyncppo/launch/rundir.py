@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_asyncppo.config import Config, ConfigError, to_yaml
-from hpc_asyncppo.paths import CHECKPOINTS, CONFIG, ERRORS, LOGS, MODEL, OVERLONG, RANKS
+from hpc_asyncppo.config import Config, ConfigError, to_yaml, tool_config_file
+from hpc_asyncppo.paths import CHECKPOINTS, CONFIG, ERRORS, LOGS, MODEL, OVERLONG, RANKS, TOOLS
 
 if TYPE_CHECKING:
     from hpc_asyncppo.tasks import Task
@@ -81,9 +81,20 @@ def _write_run_dir(
     if not cfg.model.path:
         from hpc_asyncppo.models.tiny import TinyTokenizer, tiny_model
 
-        model_dir = tiny_model(run_dir / MODEL, task.vocabulary(), cfg.model.tiny, cfg.trainer.seed)
+        model_dir = tiny_model(
+            run_dir / MODEL,
+            task.vocabulary(),
+            cfg.model.tiny,
+            cfg.trainer.seed,
+            chat_template=getattr(task, "chat_template", None),
+        )
         tokenizer = TinyTokenizer(model_dir)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_dir)))
+    turns = cfg.rollout.multi_turn
+    if turns.enable:  # the run keeps its own copy: a resume uses the tools it started with
+        shutil.copyfile(tool_config_file(turns.tool_config_path), run_dir / TOOLS)
+        turns = dataclasses.replace(turns, tool_config_path=str(run_dir / TOOLS))
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, multi_turn=turns))
     overlong = drop_overlong_prompts(cfg, task, run_dir, tokenizer)
     for name, text in {CONFIG: to_yaml(cfg), **extra_files}.items():
         (run_dir / name).write_text(text)

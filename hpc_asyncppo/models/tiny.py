@@ -33,15 +33,16 @@ CACHE_VARIABLE = "HPC_ASYNCPPO_CACHE"  # where built tiny models are kept
 _BUILD_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
 
 
-def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
-    """A whitespace word-level tokenizer over ``words`` plus pad/bos/eos/unk."""
+def build_tokenizer(words: list[str], chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer over ``words`` plus pad/bos/eos/unk; with the
+    task's ``chat_template`` (a Jinja template over those words) when it has one."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + words)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token="<pad>",
         bos_token="<bos>",
@@ -49,17 +50,24 @@ def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
         unk_token="<unk>",
         padding_side="left",
     )
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def build_tiny_model(
-    out_dir: str | Path, words: list[str], size: TinyModelConfig, seed: int
+    out_dir: str | Path,
+    words: list[str],
+    size: TinyModelConfig,
+    seed: int,
+    chat_template: str | None = None,
 ) -> Path:
     """Write a randomly initialised tiny Llama and its tokenizer to ``out_dir``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer(words)
+    tokenizer = build_tokenizer(words, chat_template)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=size.hidden_size,
@@ -87,18 +95,20 @@ def tiny_model(
     size: TinyModelConfig,
     seed: int,
     cache: str | Path | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """``build_tiny_model(out_dir, ...)``, copied from ``cache`` (default: ``cache_dir()``)
     when it holds a build of the same inputs, else built there first. A cache that cannot
     be written costs only the time: the model is then built in ``out_dir``."""
     out_dir = Path(out_dir)
-    entry = Path(cache or cache_dir()) / "tiny-models" / tiny_model_key(words, size, seed)
+    key = tiny_model_key(words, size, seed, chat_template)
+    entry = Path(cache or cache_dir()) / "tiny-models" / key
     if not entry.is_dir():
         try:
-            _build_entry(entry, words, size, seed)
+            _build_entry(entry, words, size, seed, chat_template)
         except OSError as exc:
             log.warning("cannot cache the tiny model in %s (%s): building it in place", entry, exc)
-            return build_tiny_model(out_dir, words, size, seed)
+            return build_tiny_model(out_dir, words, size, seed, chat_template)
     shutil.copytree(entry, out_dir, dirs_exist_ok=True)  # the run directory keeps its own copy
     return out_dir
 
@@ -110,27 +120,32 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hpc_asyncppo"
 
 
-def tiny_model_key(words: list[str], size: TinyModelConfig, seed: int) -> str:
+def tiny_model_key(
+    words: list[str], size: TinyModelConfig, seed: int, chat_template: str | None = None
+) -> str:
     """Names a build by everything its bytes depend on: the inputs, this file's code and the
     versions of the libraries it calls (read from their metadata, without importing them)."""
     inputs = {
         "words": words,
         "size": dataclasses.asdict(size),
         "seed": seed,
+        **({"chat_template": chat_template} if chat_template else {}),
         "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
         "versions": {name: metadata.version(name) for name in _BUILD_PACKAGES},
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def _build_entry(entry: Path, words: list[str], size: TinyModelConfig, seed: int) -> None:
+def _build_entry(
+    entry: Path, words: list[str], size: TinyModelConfig, seed: int, chat_template: str | None
+) -> None:
     """Build into a temporary folder beside ``entry``, then rename it: an entry is always
     whole, and of two processes building the same one, the second keeps the first's."""
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        build_tiny_model(tmp, words, size, seed)
+        build_tiny_model(tmp, words, size, seed, chat_template)
         try:
             tmp.rename(entry)
         except OSError:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hpc_asyncppo.config import Config
-from hpc_asyncppo.rollout.generation import Generation, PartialGroup
+from hpc_asyncppo.rollout.generation import Generation, PartialGroup, ResponseGroup
 from hpc_asyncppo.rollout.hf_engine import HFEngine
 from hpc_asyncppo.transport.weight_group import WeightGroupSpec
 from hpc_asyncppo.transport.weights import WeightUpdate
@@ -36,6 +36,11 @@ class RolloutEngine(Protocol):
     tokenizer: Any  # the model's HF tokenizer (chat template, decoding)
     # hf: checked between two tokens, a true value ends the step with the tokens so far
     should_stop: Callable[[], bool] | None
+    # multi-turn (rollout/turns.py): the tokens that end the model's turn (EOS, the end of a
+    # tool call); the response then waits (``Response.waiting``) until the rollout rank
+    # appends an observation or ends it. Empty: single-turn
+    turn_ends: frozenset[int]
+    groups: dict[Hashable, ResponseGroup]  # the groups in flight, as the engine keeps them
 
     def encode(self, text: str) -> list[int]: ...
 

@@ -37,6 +37,8 @@ class PartialGroup:
     prompt: list[int]
     sofar: Generation
     finished: np.ndarray  # (n,) bool
+    # multi-turn, from a checkpoint: what the tools keep of its trajectories (turns.py)
+    tools: dict | None = None
 
     @property
     def tokens(self) -> int:
@@ -57,6 +59,10 @@ class Response:
     finished: bool = False
     request_id: str | None = None  # vllm: the request generating it now; None: not running
     observations: list[tuple[int, int]] = field(default_factory=list)  # [start, end) spans
+    # multi-turn: the model's turn ended (EOS, or a call's end) with room left; the rank decides
+    # (``turns.py``) whether an observation follows or the response is finished. The
+    # engines generate nothing for it meanwhile.
+    waiting: bool = False
 
     def observe(self, tokens: list[int]) -> None:
         """Append a tool's or an environment's answer (log-prob 0, version -1)."""
@@ -65,6 +71,20 @@ class Response:
         self.log_probs += [0.0] * len(tokens)
         self.versions += [-1] * len(tokens)
         self.observations.append((start, len(self.tokens)))
+
+    def end_turn(self, width: int, multi_turn: bool) -> None:
+        """The engine stopped this response at a stop token (EOS; multi-turn: a token that
+        ends a turn) or at ``width`` tokens: finished, unless multi-turn and room is left:
+        then its turn ended, and it waits."""
+        if multi_turn and len(self.tokens) < width:
+            self.waiting = True
+        else:
+            self.finished = True
+
+    @property
+    def runnable(self) -> bool:
+        """An engine may generate for it now."""
+        return not self.finished and not self.waiting
 
 
 @dataclass
@@ -80,22 +100,26 @@ class ResponseGroup:
         return all(r.finished for r in self.responses)
 
     @classmethod
-    def of(cls, partial: PartialGroup) -> ResponseGroup:
-        """A cut group, to continue from its tokens."""
+    def of(cls, partial: PartialGroup, turn_ends: frozenset[int] = frozenset()) -> ResponseGroup:
+        """A cut group, to continue from its tokens. ``turn_ends`` (multi-turn: the tokens
+        that end a turn): a response cut right after the model's turn ended waits (its
+        tool calls run again, ``turns.py``)."""
         g = partial.sofar
-        return cls(
-            list(partial.prompt),
-            [
-                Response(
-                    g.response_ids[j, :length].tolist(),
-                    g.log_probs[j, :length].tolist(),
-                    g.versions[j, :length].tolist(),
-                    bool(partial.finished[j]),
-                    observations=spans(g.loss_mask[j, :length]) if g.loss_mask is not None else [],
-                )
-                for j, length in enumerate(g.response_lengths.tolist())
-            ],
-        )
+        responses = []
+        for j, length in enumerate(g.response_lengths.tolist()):
+            r = Response(
+                g.response_ids[j, :length].tolist(),
+                g.log_probs[j, :length].tolist(),
+                g.versions[j, :length].tolist(),
+                bool(partial.finished[j]),
+                observations=spans(g.loss_mask[j, :length]) if g.loss_mask is not None else [],
+            )
+            last_is_model = not r.observations or r.observations[-1][1] < length
+            r.waiting = (
+                not r.finished and length > 0 and r.tokens[-1] in turn_ends and last_is_model
+            )
+            responses.append(r)
+        return cls(list(partial.prompt), responses)
 
     def generation(self, width: int, pad_id: int) -> Generation:
         """Right-padded arrays, lengths including the EOS, log-probs 0 and versions -1 past it."""

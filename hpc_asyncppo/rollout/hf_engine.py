@@ -70,6 +70,9 @@ class HFEngine:
         self.groups: dict[Hashable, ResponseGroup] = {}
         # While true, a step ends at once with the tokens so far (the rank's stop flag).
         self.should_stop: Callable[[], bool] | None = None
+        # multi-turn (rollout/turns.py): the tokens that end the model's turn (EOS and the
+        # end of a tool call); empty: single-turn, EOS ends the response
+        self.turn_ends: frozenset[int] = frozenset()
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -98,6 +101,7 @@ class HFEngine:
                 "top_k": cfg.top_k or None,
             }
         stop = StoppingCriteriaList([_Flag(self.should_stop)]) if self.should_stop else None
+        stops = sorted(self.stops)
         out = self.model.generate(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
@@ -105,7 +109,8 @@ class HFEngine:
             max_new_tokens=max_new,
             min_new_tokens=0,
             pad_token_id=self.pad_id,
-            eos_token_id=None if cfg.ignore_eos else self.eos_id,
+            # one id as before multi-turn (single-turn runs stay bitwise as they were)
+            eos_token_id=stops[0] if len(stops) == 1 else (stops or None),
             output_logits=True,
             return_dict_in_generate=True,
             stopping_criteria=stop,
@@ -146,14 +151,11 @@ class HFEngine:
         """Continue a group cut earlier (e.g. by a checkpoint before a stop) from its tokens."""
         if key in self.groups:
             raise ValueError(f"a prompt group with key {key!r} is already in flight")
-        self.groups[key] = ResponseGroup.of(partial)
+        self.groups[key] = ResponseGroup.of(partial, self.turn_ends)
 
     def step(self) -> list[tuple[Hashable, Generation]]:
         rows = [
-            (key, r)
-            for key, group in self.groups.items()
-            for r in group.responses
-            if not r.finished
+            (key, r) for key, group in self.groups.items() for r in group.responses if r.runnable
         ]
         width = self.cfg.response_length
         by_temperature: dict[float | None, list[tuple[Hashable, Response]]] = {}
@@ -165,16 +167,22 @@ class HFEngine:
             new_ids, new_lps = self.sample(contexts, max(budgets), temperature)
             for (_, r), ids, lps, budget in zip(batch, new_ids, new_lps, budgets, strict=True):
                 take = ids[:budget]
-                if self.eos_id in take and not self.cfg.ignore_eos:
-                    take = take[: take.index(self.eos_id) + 1]
+                stop = next((i for i, t in enumerate(take) if t in self.stops), None)
+                if stop is not None:
+                    take = take[: stop + 1]
                 r.tokens += take
                 r.log_probs += lps[: len(take)]
                 r.versions += [self.version] * len(take)
-                ended = bool(take) and take[-1] == self.eos_id and not self.cfg.ignore_eos
-                r.finished = ended or len(r.tokens) >= width
+                if stop is not None or len(r.tokens) >= width:
+                    r.end_turn(width, bool(self.turn_ends))
         done = [key for key, group in self.groups.items() if group.complete]
         width, pad = self.cfg.response_length, self.pad_id
         return [(key, self.groups.pop(key).generation(width, pad)) for key in done]
+
+    @property
+    def stops(self) -> set[int]:
+        """The tokens a response stops at: EOS (unless ignore_eos) and those ending a turn."""
+        return set(self.turn_ends) | (set() if self.cfg.ignore_eos else {self.eos_id})
 
     def interrupt(self) -> None:
         """Nothing runs between steps; a step cut by ``should_stop`` keeps its tokens."""

@@ -56,7 +56,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import replace
 from pathlib import Path
 
@@ -68,6 +68,7 @@ from hpc_asyncppo.checkpoint.store import CheckpointReader, rng_state, set_rng_s
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.rollout.engine import EngineDied, RolloutEngine, make_engine
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup
+from hpc_asyncppo.rollout.turns import Turns, decode_state, encode_state
 from hpc_asyncppo.rollout.validation import Validator
 from hpc_asyncppo.runlog import record_weight_digest, sent_groups_writer
 from hpc_asyncppo.runtime import heartbeat, startup
@@ -76,6 +77,7 @@ from hpc_asyncppo.runtime.topology import Topology
 from hpc_asyncppo.tasks import Prompt, Task, load_task, tokenize_prompt
 from hpc_asyncppo.tasks.overlong import usable_prompts
 from hpc_asyncppo.timeline import Timeline
+from hpc_asyncppo.tools.base import load_tools
 from hpc_asyncppo.transport.arrays import pack_arrays
 from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleSender
 from hpc_asyncppo.transport.weight_group import member_rank
@@ -106,6 +108,7 @@ class Rollouter:
         self.new_engine = new_engine or (lambda: make_engine(cfg, topo.device))
         self.engine = engine if engine is not None else self.new_engine()
         startup.mark("engine built")
+        self.turns = self.make_turns()  # multi-turn: the trajectories' tool calls (or None)
         self.weights_spec = topo.weights  # the weight group's generation this rank is in
         self.engine.join_weights(self.weights_spec, self.first_member)
         startup.mark("weight group joined")
@@ -114,7 +117,9 @@ class Rollouter:
         self.in_flight: dict[tuple[int, int], tuple[int, int, int]] = {}
         self.granted: deque[int] = deque()  # draws (prompts) the leader granted, not started
         self.sender = sender if sender is not None else SampleSender(topo.inter)
-        self.validator = Validator(cfg, self.rank, topo.rollout_ranks, self.engine, self.sender)
+        self.validator = Validator(
+            cfg, self.rank, topo.rollout_ranks, self.engine, self.sender, self.turns
+        )
         self.version = -1  # no weights from the trainer yet
         self.last_pause_s = 0.0  # the engine's pause for the last sync
         # in-flight weight updates: the sync being received on a side thread, its announced
@@ -153,6 +158,23 @@ class Rollouter:
             self.resumed = resume["partial"]
             if resume["rng"] is not None:
                 set_rng_state(resume["rng"])
+
+    def make_turns(self) -> Turns | None:
+        """The rank's multi-turn state, with its tools built (``rollout.multi_turn``)."""
+        cfg = self.cfg.rollout.multi_turn
+        if not cfg.enable:
+            return None
+        tools = load_tools(cfg.tool_config_path)
+        width = self.cfg.rollout.response_length
+        turns = Turns(cfg, self.engine.tokenizer, tools, self.engine.eos_id, width)
+        self.engine.turn_ends = turns.turn_ends
+        return turns
+
+    def prompt_of(self, key: Hashable) -> Prompt:
+        """The prompt of a group in flight (training or validation)."""
+        if self.validator.owns(key):
+            return self.validator.prompts[key[2]]
+        return self.prompts[key[1]]
 
     @property
     def first_member(self) -> int:
@@ -273,8 +295,10 @@ class Rollouter:
         for key, partial in self.engine.unfinished():
             if self.validator.owns(key):
                 self.validator.again(key)
+                if self.turns is not None:
+                    self.turns.forget(key, len(partial.finished))
                 continue
-            self.resumed.append((*self.in_flight.pop(key), partial))
+            self.resumed.append((*self.in_flight.pop(key), partial))  # its tool calls go on
             kept += partial.tokens
         try:
             self.engine.close()
@@ -282,6 +306,8 @@ class Rollouter:
             log.warning("rank %d: closing the dead engine: %s", self.rank, exc)
         self.engine = self.new_engine()
         self.engine.should_stop = lambda: stop_requested() is not None
+        if self.turns is not None:
+            self.engine.turn_ends = self.turns.turn_ends
         self.validator.engine = self.engine
         log.warning(
             "rank %d: new engine started in %.1fs; %d groups in flight (%d tokens) continue "
@@ -361,7 +387,12 @@ class Rollouter:
             same = bool(np.all(sampled == self.version))
             if self.cfg.async_training.partial_rollout or same:
                 self.engine.resume((epoch, index), partial)
+                if self.turns is not None and partial.tools is not None:  # from a checkpoint
+                    group = self.engine.groups[(epoch, index)]
+                    self.turns.load((epoch, index), group, partial.tools)
             else:
+                if self.turns is not None:  # its trajectories start again, tools too
+                    self.turns.forget((epoch, index), len(partial.finished))
                 self.engine.submit((epoch, index), self.prompt_ids(index), self.cfg.rollout.n)
                 self.tokens_regenerated += partial.tokens
                 version_start = self.version
@@ -387,6 +418,10 @@ class Rollouter:
             self.in_flight[(epoch, index)] = (epoch, index, self.version)
 
     def step_and_send(self) -> None:
+        """One engine step, and the groups it finished sent (multi-turn: first the tool
+        calls of turns that ended started, and the answers that came put back)."""
+        if self.turns is not None and not self.turns.advance(self.engine.groups, self.prompt_of):
+            time.sleep(0.002)  # every response waits for a tool: the engine has nothing to do
         with self.timeline.span("generate"):
             finished = self.engine.step()
         if not finished:
@@ -425,12 +460,15 @@ class Rollouter:
         unused = np.asarray(list(self.granted), dtype=np.int64)
         self.granted.clear()
         cut = [
-            cut_group_tree(*self.in_flight[key], partial)
+            cut_group_tree(*self.in_flight[key], self.with_tools(key, partial))
             for key, partial in self.engine.unfinished()
             if not self.validator.owns(key)  # validation is not checkpointed
         ]
-        # cut groups waiting for weights (a restarted engine's) are cut groups too
-        cut += [cut_group_tree(*group) for group in self.resumed]
+        # cut groups waiting for weights (a restarted engine's, a resume's) are cut groups too
+        cut += [
+            cut_group_tree(epoch, index, start, self.with_tools((epoch, index), partial))
+            for epoch, index, start, partial in self.resumed
+        ]
         tree = {"rng": rng_state(), "partial": cut}
         folder = protocol.step_dir(self.run_dir, step)
         with self.timeline.span("checkpoint"):
@@ -439,6 +477,13 @@ class Rollouter:
         meta = {**written, "groups_sent": self.sender.groups_sent}
         report = pack_arrays({"unused": unused}, {**meta, "partial_groups": len(cut)})
         self.sender.send_state(report, self.cfg.timeouts.rank_wait_s)
+
+    def with_tools(self, key: Hashable, partial: PartialGroup) -> PartialGroup:
+        """Multi-turn: the cut group with its tools' state (live, or as resumed)."""
+        if self.turns is None:
+            return partial
+        live = self.turns.state(key, len(partial.finished))
+        return replace(partial, tools=live or partial.tools or {})
 
     def weights_loaded(self, update: WeightUpdate, start: float, wall_start: float) -> None:
         """After a sync: the version, the cut groups of a resume placed, digests recorded
@@ -506,6 +551,12 @@ class Rollouter:
             )
             for j in range(n)
         ]
+        tools = {}
+        if self.turns is not None:  # the tools' rewards add to the task's
+            rewards = [
+                a + b for a, b in zip(rewards, self.turns.finish((epoch, index), n), strict=True)
+            ]
+            tools = self.turns.counts
         return SampleGroup(
             seed=self.cfg.trainer.seed,
             epoch=epoch,
@@ -525,6 +576,7 @@ class Rollouter:
             rollout_sync_pause_s=self.last_pause_s,
             engine_restarts=self.engine_restarts,
             engine_restart_s=self.engine_restart_s,
+            **tools,
         )
 
 
@@ -541,8 +593,14 @@ def cut_group_tree(epoch: int, index: int, version_start: int, partial: PartialG
         "log_probs": g.log_probs,
         "versions": g.versions,
         "finished": partial.finished,
-        # multi-turn: where the observations lie (absent for single-turn groups)
+        # multi-turn: where the observations lie (absent for single-turn groups), and what
+        # the tools keep of its trajectories (JSON, as bytes)
         **({"loss_mask": g.loss_mask} if g.loss_mask is not None else {}),
+        **(
+            {"tools": np.frombuffer(encode_state(partial.tools), dtype=np.uint8)}
+            if partial.tools is not None
+            else {}
+        ),
     }
 
 
@@ -554,7 +612,8 @@ def cut_group_of(tree: dict) -> tuple[int, int, int, PartialGroup]:
         tree["versions"],
         tree.get("loss_mask"),
     )
-    partial = PartialGroup(tree["prompt"].tolist(), sofar, tree["finished"].astype(bool))
+    tools = decode_state(tree["tools"].tobytes()) if "tools" in tree else None
+    partial = PartialGroup(tree["prompt"].tolist(), sofar, tree["finished"].astype(bool), tools)
     return int(tree["epoch"]), int(tree["index"]), int(tree["version_start"]), partial
 
 

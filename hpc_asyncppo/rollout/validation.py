@@ -26,6 +26,7 @@ import numpy as np
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.rollout.engine import RolloutEngine
 from hpc_asyncppo.rollout.generation import Generation
+from hpc_asyncppo.rollout.turns import Turns
 from hpc_asyncppo.tasks import Prompt, load_val_task, tokenize_prompt
 from hpc_asyncppo.transport.arrays import pack_arrays
 from hpc_asyncppo.transport.samples import SampleSender
@@ -78,8 +79,12 @@ class Validator:
         ranks: int,
         engine: RolloutEngine,
         sender: SampleSender,
+        turns: Turns | None = None,
     ):
+        """``turns``: multi-turn, the rank's trajectories (val groups call tools too, and
+        their tools' rewards add to the task's)."""
         self.cfg, self.rank, self.engine, self.sender = cfg, rank, engine, sender
+        self.turns = turns
         self.jobs: deque[ValidationJob] = deque()
         self.requested = 0
         self.prompts: list[Prompt] = []
@@ -135,15 +140,19 @@ class Validator:
         _, job_id, position = key
         job = next(j for j in self.jobs if j.id == job_id)
         prompt = self.prompts[position]
-        job.rewards[position] = np.array(
+        n = gen.response_ids.shape[0]
+        rewards = np.array(
             [
                 self.task.reward(
                     prompt, self.engine.decode(gen.response_ids[j, : gen.response_lengths[j]])
                 )
-                for j in range(gen.response_ids.shape[0])
+                for j in range(n)
             ],
             dtype=np.float32,
         )
+        if self.turns is not None:
+            rewards += np.asarray(self.turns.finish(key, n), dtype=np.float32)
+        job.rewards[position] = rewards
         job.in_flight -= 1
         self._send_done()
 

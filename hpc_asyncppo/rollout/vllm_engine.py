@@ -169,7 +169,7 @@ class VLLMEngine:
         os.environ[RANK_PID_ENV] = str(os.getpid())
         with children_ignore_stop_signals():
             self.llm = LLMEngine.from_engine_args(args)
-        self.sampling = SamplingParams(
+        self._sampling_args = dict(
             n=1,  # each response is its own request: partial rollout resumes them one by one
             temperature=rollout.temperature,
             top_p=rollout.top_p,
@@ -180,8 +180,10 @@ class VLLMEngine:
             ignore_eos=rollout.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
         )
+        self.sampling = SamplingParams(**self._sampling_args)
         self.version = -1
         self.should_stop = None  # unused: a step is one decoding step, the loop checks between
+        self._turn_ends: frozenset[int] = frozenset()  # multi-turn: see ``turn_ends``
         self.groups: dict[Hashable, ResponseGroup] = {}
         self.running: dict[str, tuple[Hashable, int]] = {}  # request id -> (group key, response)
         self._ids = itertools.count()
@@ -227,7 +229,7 @@ class VLLMEngine:
         to the prompt."""
         if key in self.groups:
             raise ValueError(f"a prompt group with key {key!r} is already in flight")
-        self.groups[key] = ResponseGroup.of(partial)
+        self.groups[key] = ResponseGroup.of(partial, self.turn_ends)
 
     def unfinished(self) -> list[tuple[Hashable, PartialGroup]]:
         """Every group in flight with its tokens so far (after ``interrupt``: a checkpoint)."""
@@ -235,16 +237,14 @@ class VLLMEngine:
         return [(key, group.partial(width, pad)) for key, group in self.groups.items()]
 
     def step(self) -> list[tuple[Hashable, Generation]]:
-        """One decoding step of every running request (resuming interrupted ones first);
+        """One decoding step of every running request (starting first the responses that
+        may run and do not: interrupted ones, and multi-turn ones whose observation came);
         returns the groups whose n responses are all finished."""
         for key, group in self.groups.items():
             for j, response in enumerate(group.responses):
-                if not response.finished and response.request_id is None:
+                if response.runnable and response.request_id is None:
                     self._start(key, j)
-        if not self.running:
-            return []
-        done = []
-        outputs = self._engine_call(self.llm.step)
+        outputs = self._engine_call(self.llm.step) if self.running else []
         for out in outputs:
             if out.request_id not in self.running:
                 continue  # a straggler output of an aborted request
@@ -258,11 +258,27 @@ class VLLMEngine:
             ]
             response.versions += [self.version] * len(completion.token_ids)
             if out.finished:
-                response.finished, response.request_id = True, None
+                response.request_id = None
                 del self.running[out.request_id]
-                if all(r.finished for r in self.groups[key].responses):
-                    done.append((key, self._generation(self.groups.pop(key))))
-        return done
+                response.end_turn(self.cfg.response_length, bool(self.turn_ends))
+        # complete: by this step's outputs, or by the rank (a multi-turn response it ended)
+        done = [key for key, group in self.groups.items() if group.complete]
+        return [(key, self._generation(self.groups.pop(key))) for key in done]
+
+    @property
+    def turn_ends(self) -> frozenset[int]:
+        """Multi-turn (rollout/turns.py): the tokens that end the model's turn (EOS and the
+        end of a tool call); empty: single-turn. vLLM stops a request at any of them."""
+        return self._turn_ends
+
+    @turn_ends.setter
+    def turn_ends(self, tokens: frozenset[int]) -> None:
+        from vllm import SamplingParams
+
+        self._turn_ends = frozenset(tokens)
+        eos = [] if self.cfg.ignore_eos else [self.eos_id]
+        stops = sorted(set(eos) | self._turn_ends)
+        self.sampling = SamplingParams(**{**self._sampling_args, "stop_token_ids": stops})
 
     def interrupt(self) -> None:
         """Abort every running request; each keeps its tokens and resumes at the next step."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from hpc_asyncppo.config import ConfigError, DataConfig
@@ -25,6 +25,9 @@ class Prompt:
     ground_truth: str  # what the reward compares against
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content) chat turns, if any
     data_source: str = ""  # where the row comes from (verl's data_source): validation's groups
+    # multi-turn (verl's extra_info.tools_kwargs): tool name -> {"create_kwargs": {...}},
+    # what each tool's ``create`` gets for this prompt's trajectories
+    tools_kwargs: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
 
 
 def tokenize_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
@@ -78,12 +81,14 @@ class _WithReward:
 def load_task(data: DataConfig) -> Task:
     from hpc_asyncppo.tasks.jsonl import JsonlTask
     from hpc_asyncppo.tasks.next_digit import NextDigitTask
+    from hpc_asyncppo.tasks.tool_lookup import ToolLookupTask
     from hpc_asyncppo.tasks.verl_dataset import VerlDatasetTask
 
     registry: dict[str, Callable[[DataConfig], Task]] = {
         "next_digit": NextDigitTask,
         "jsonl": JsonlTask,
         "verl": VerlDatasetTask,
+        "tool_lookup": ToolLookupTask,
     }
     if data.task in registry:
         task = registry[data.task](data)

@@ -32,6 +32,7 @@ class StepLog:
         self.tokens_regenerated: dict[int, int] = {}  # per rank, cumulative
         self.sync_pause: dict[int, float] = {}  # per rank, its engine's last pause
         self.engine_restarts: dict[int, tuple[int, float]] = {}  # per rank: count, seconds
+        self.tools: dict[int, dict[str, float]] = {}  # multi-turn, per rank: its tool counts
 
     def note_rollout(self, group: SampleGroup) -> None:
         """A group arrived: what its rollout rank says of itself."""
@@ -40,6 +41,12 @@ class StepLog:
         self.tokens_regenerated[rank] = group.tokens_regenerated
         self.sync_pause[rank] = group.rollout_sync_pause_s
         self.engine_restarts[rank] = (group.engine_restarts, group.engine_restart_s)
+        if self.cfg.rollout.multi_turn.enable:
+            self.tools[rank] = {
+                key: getattr(group, key)
+                for key in ("tool_calls", "tool_errors", "tool_timeouts", "tool_s")
+                + ("tool_wait_s", "trajectory_s")
+            }
 
     def dropped(self, group: SampleGroup, reason: str) -> None:
         """A group dropped while the next step's batch was gathered, recorded under that
@@ -98,6 +105,7 @@ class StepLog:
             "rollout/engine_restart_s": sum(t for _, t in self.engine_restarts.values()),
             **leader,
             **self.recipe_metrics(batch, rewards),
+            **self.tool_metrics(batch),
             **batch_metrics(batch.groups, rewards, self.cfg.rollout.response_length),
             **stats,
         }
@@ -116,6 +124,34 @@ class StepLog:
             out["reward/overlong_fraction"] = float(np.mean(rewards < task))
             out["reward/trained_mean"] = float(np.mean(rewards))
         return out
+
+    def tool_metrics(self, batch: Batch) -> dict:
+        """Multi-turn: the step's trajectories (model turns, observation tokens, the share
+        that called a tool at all) and the rollout ranks' tool calls so far in this attempt
+        (calls, failures, timeouts, seconds, and the share of trajectory time spent
+        waiting for tools)."""
+        if not self.cfg.rollout.multi_turn.enable:
+            return {}
+        turns, observed = [], []
+        for g in batch.groups:
+            for j in range(g.n):
+                length = int(g.response_lengths[j])
+                mask = g.loss_mask[j, :length] if g.loss_mask is not None else np.ones(length)
+                spans = int(np.sum(np.diff(np.concatenate([[1], mask, [1]])) == -1))
+                turns.append(spans + 1)
+                observed.append(length - int(mask.sum()))
+        total = {k: sum(t[k] for t in self.tools.values()) for k in ("tool_calls", "tool_errors",
+                 "tool_timeouts", "tool_s", "tool_wait_s", "trajectory_s")}  # fmt: skip
+        return {
+            "multi_turn/turns_mean": float(np.mean(turns)),
+            "multi_turn/tool_call_rate": float(np.mean(np.asarray(turns) > 1)),
+            "multi_turn/observation_tokens_mean": float(np.mean(observed)),
+            "tools/calls": total["tool_calls"],
+            "tools/errors": total["tool_errors"],
+            "tools/timeouts": total["tool_timeouts"],
+            "tools/seconds": total["tool_s"],
+            "tools/wait_share": total["tool_wait_s"] / max(total["trajectory_s"], 1e-9),
+        }
 
     def close(self) -> None:
         for writer in (self.metrics, self.trained_log, self.dropped_log):

@@ -70,6 +70,15 @@ class SampleGroup:
     rollout_sync_pause_s: float = 0.0  # how long the sender's engine paused for its last sync
     engine_restarts: int = 0  # the sender's engine restarts in this attempt (cumulative)
     engine_restart_s: float = 0.0  # their time, each from the death to the weights loaded
+    # multi-turn, the sender's cumulative counts in this attempt (rollout/turns.py): tool
+    # calls, those that failed (raised, garbage, no such tool) or timed out, their seconds,
+    # and the trajectory-seconds spent waiting for tools out of all trajectory-seconds
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    tool_s: float = 0.0
+    tool_wait_s: float = 0.0
+    trajectory_s: float = 0.0
     # multi-turn: (n, L) 1 on the model's own tokens, 0 on observation tokens (a tool's or
     # an environment's answer: part of the context, never trained); None: all the model's
     loss_mask: np.ndarray | None = None
@@ -97,11 +106,23 @@ _SCALARS = (
     "rollout_sync_pause_s",
     "engine_restarts",
     "engine_restart_s",
+    "tool_calls",
+    "tool_errors",
+    "tool_timeouts",
+    "tool_s",
+    "tool_wait_s",
+    "trajectory_s",
 )
 _SINCE = {
     "rollout_sync_pause_s": 0.0,
     "engine_restarts": 0,
     "engine_restart_s": 0.0,
+    "tool_calls": 0,
+    "tool_errors": 0,
+    "tool_timeouts": 0,
+    "tool_s": 0.0,
+    "tool_wait_s": 0.0,
+    "trajectory_s": 0.0,
 }  # scalars newer than some checkpoints: their default
 _ARRAYS = {
     "prompt_ids": np.int32,
@@ -116,7 +137,12 @@ def encode_group(group: SampleGroup) -> np.ndarray:
     arrays = {name: np.asarray(getattr(group, name), dtype=dt) for name, dt in _ARRAYS.items()}
     if group.loss_mask is not None:  # absent for single-turn groups: their bytes unchanged
         arrays["loss_mask"] = np.asarray(group.loss_mask, dtype=np.int8)
-    meta = {name: getattr(group, name) for name in _SCALARS}
+    meta = {
+        name: getattr(group, name)
+        for name in _SCALARS
+        # multi-turn counts: absent while 0, so single-turn groups keep their bytes
+        if not (name.startswith(("tool_", "trajectory_")) and getattr(group, name) == 0)
+    }
     return pack_arrays(arrays, meta)
 
 

@@ -84,7 +84,9 @@ def check_audit(
     return trained
 
 
-def check_weights_match(run_dir: Path, rollout_ranks: int, versions: int, restarts: bool = False) -> None:
+def check_weights_match(
+    run_dir: Path, rollout_ranks: int, versions: int, restarts: bool = False
+) -> None:
     """After every sync, every rollout rank holds exactly the trainer leader's weights.
 
     With ``restarts`` a rank may lack the versions the leader published while its engine was

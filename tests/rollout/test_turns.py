@@ -1,0 +1,199 @@
+"""Multi-turn trajectories (``rollout/turns.py``) on the tiny lookup model's real tokenizer
+and chat template, the real lookup tool and tool runner, and the real transformers engine:
+a call comes back as an observation rendered by the chat template (holes in the loss
+mask), turns and room end trajectories, a hanging tool costs its timeout while the engine
+generates the other groups, and a checkpoint's state brings a trajectory back with its
+calls run again. vLLM continuing from observations: tests/rollout/test_vllm_engine.py."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hpc_asyncppo.config import (
+    DataConfig,
+    ModelConfig,
+    MultiTurnConfig,
+    RolloutConfig,
+    TinyModelConfig,
+)
+from hpc_asyncppo.models.tiny import build_tiny_model
+from hpc_asyncppo.rollout.generation import Response, ResponseGroup
+from hpc_asyncppo.rollout.hf_engine import HFEngine
+from hpc_asyncppo.rollout.turns import Turns, decode_state, encode_state, truncate
+from hpc_asyncppo.tasks.tool_lookup import CALL, CHAT_TEMPLATE, ToolLookupTask
+from hpc_asyncppo.tools.base import load_tools
+
+WIDTH = 10
+LOOKUP = """tools:
+  - class_name: hpc_asyncppo.tasks.tool_lookup.LookupTool
+    config: {delay_s: DELAY}
+    tool_schema: {type: function, function: {name: lookup, description: d, parameters: {}}}
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    task = ToolLookupTask(DataConfig(num_prompts=8))
+    out = tmp_path_factory.mktemp("lookup_model")
+    return build_tiny_model(out, task.vocabulary(), TinyModelConfig(), 3, CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir) -> HFEngine:
+    return HFEngine(
+        ModelConfig(path=str(model_dir)), RolloutConfig(response_length=WIDTH), torch.device("cpu")
+    )
+
+
+def make_turns(engine, tmp_path, delay="0.0", **cfg) -> tuple[Turns, dict]:
+    path = tmp_path / "tools.yaml"
+    path.write_text(LOOKUP.replace("DELAY", delay))
+    tools = load_tools(path)
+    config = MultiTurnConfig(enable=True, tool_config_path=str(path), **cfg)
+    return Turns(config, engine.tokenizer, tools, engine.eos_id, WIDTH), tools
+
+
+def ids(engine, text: str) -> list[int]:
+    return engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def model_turn(r: Response, tokens: list[int], version: int = 0) -> None:
+    """The model's turn as an engine writes it, ended at its last token."""
+    r.tokens += tokens
+    r.log_probs += [-1.0] * len(tokens)
+    r.versions += [version] * len(tokens)
+    r.end_turn(WIDTH, multi_turn=True)
+
+
+def settle(turns: Turns, groups: dict, prompts, limit_s: float = 10.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while any(r.waiting for g in groups.values() for r in g.responses):
+        turns.advance(groups, lambda key: prompts[key[1]])
+        assert time.monotonic() < deadline, "no observation came"
+        time.sleep(0.01)
+
+
+def test_a_call_comes_back_through_the_chat_template_and_trains_as_a_hole(engine, tmp_path):
+    turns, tools = make_turns(engine, tmp_path)
+    task = ToolLookupTask(DataConfig(num_prompts=8))
+    prompts = task.prompts()
+    assert engine.turn_ends == frozenset()  # the rank sets them: here, by hand
+    assert turns.turn_ends == {engine.eos_id, *ids(engine, CALL[1])}
+    truth = prompts[3].ground_truth
+    r = Response()
+    groups = {(0, 3): ResponseGroup([1], [r])}
+    model_turn(r, ids(engine, " ".join(CALL)))
+    assert r.waiting and not r.finished
+    settle(turns, groups, prompts)
+    # the template's EOS after an assistant message (the turn stopped at the call), then
+    # the tool message: what the model reads before it answers
+    words = engine.tokenizer.convert_ids_to_tokens(r.tokens)
+    assert words == [*CALL, "<eos>", "<tool_response>", truth]
+    assert r.observations == [(2, 5)] and r.runnable
+    model_turn(r, ids(engine, f"{truth} <eos>"))
+    turns.advance(groups, lambda key: prompts[key[1]])  # no call in that turn: the end
+    assert r.finished and not r.waiting
+    gen = groups[(0, 3)].generation(WIDTH, engine.pad_id)
+    assert gen.loss_mask[0, :7].tolist() == [1, 1, 0, 0, 0, 1, 1]
+    assert gen.log_probs[0, 2:5].tolist() == [0.0] * 3 and gen.versions[0, 2:5].tolist() == [-1] * 3
+    text = engine.decode(gen.response_ids[0, : gen.response_lengths[0]])
+    # the task's 0.9 (the call's two words, the copied answer) and the tool's 0.1
+    assert task.reward(prompts[3], text) == pytest.approx(0.9)
+    assert turns.finish((0, 3), 1) == [pytest.approx(0.1)]
+    assert tools["lookup"].answers == {}  # released
+    assert turns.counts["tool_calls"] == 1 and turns.counts["tool_errors"] == 0
+
+
+def test_turn_limits_and_room_end_trajectories(engine, tmp_path):
+    prompts = ToolLookupTask(DataConfig(num_prompts=8)).prompts()
+    call = ids(engine, " ".join(CALL))
+
+    turns, _ = make_turns(engine, tmp_path, max_assistant_turns=1)
+    r = Response()
+    model_turn(r, call)
+    turns.advance({(0, 0): ResponseGroup([1], [r])}, lambda key: prompts[0])
+    assert r.finished and not r.observations  # its one turn is over: no call made
+    assert turns.counts["tool_calls"] == 0
+
+    turns, _ = make_turns(engine, tmp_path, max_user_turns=1)
+    r = Response()
+    groups = {(0, 0): ResponseGroup([1], [r])}
+    model_turn(r, call)
+    settle(turns, groups, prompts)
+    model_turn(r, call)  # a second call: past max_user_turns
+    turns.advance(groups, lambda key: prompts[0])
+    assert r.finished and len(r.observations) == 1
+
+    turns, _ = make_turns(engine, tmp_path)
+    r = Response()
+    groups = {(0, 0): ResponseGroup([1], [r])}
+    model_turn(r, ids(engine, "1 2 3 4 5 6") + call)  # 8 tokens: room for 2 of the 3
+    settle(turns, groups, prompts)
+    assert r.finished and r.observations == [(8, 10)] and len(r.tokens) == WIDTH
+
+
+def test_tool_answers_are_cut_as_verl_cuts_them():
+    text = "abcdefghij"
+    assert truncate(text, 20, "middle") == text
+    assert truncate(text, 4, "left") == "abcd...(truncated)"
+    assert truncate(text, 4, "right") == "(truncated)...ghij"
+    assert truncate(text, 4, "middle") == "ab...(truncated)...ij"
+
+
+def test_a_hanging_tool_costs_its_timeout_while_the_engine_generates_the_others(engine, tmp_path):
+    """One response calls a tool that never answers (an hour's delay); the engine goes on
+    generating another group meanwhile; after tool_timeout_s the call answers with an error
+    message as the observation, counted as a timeout, and the trajectory goes on."""
+    turns, _ = make_turns(engine, tmp_path, delay="3600", tool_timeout_s=1.0)
+    prompts = ToolLookupTask(DataConfig(num_prompts=8)).prompts()
+    engine.turn_ends = turns.turn_ends
+    try:
+        waiting = Response()
+        model_turn(waiting, ids(engine, " ".join(CALL)))
+        engine.groups[(0, 1)] = ResponseGroup([1], [waiting])
+        engine.submit((0, 2), ids(engine, prompts[2].text), 4)
+        start, finished = time.monotonic(), {}
+        while (0, 1) not in finished:
+            turns.advance(engine.groups, lambda key: prompts[key[1]])
+            if (0, 2) not in finished:
+                assert waiting.waiting, "the call answered before the other group finished"
+            finished.update(engine.step())
+            assert time.monotonic() - start < 30
+        assert (0, 2) in finished  # generated while the call hung
+        assert waiting.observations and time.monotonic() - start >= 1.0
+        assert turns.counts["tool_timeouts"] == 1
+    finally:
+        engine.turn_ends = frozenset()
+        engine.groups.clear()
+
+
+def test_a_checkpointed_trajectory_comes_back_with_its_tools_state_and_runs_its_call_again(
+    engine, tmp_path
+):
+    """Cut while its call ran (a slow tool): the state goes through the checkpoint's JSON
+    bytes; the resumed response waits again (its last token ends the model's turn), the
+    tool gets its state back (no create) and the call runs again: the same answer."""
+    prompts = ToolLookupTask(DataConfig(num_prompts=8)).prompts()
+    turns, tools = make_turns(engine, tmp_path, delay="0.5")
+    r = Response()
+    groups = {(0, 4): ResponseGroup([1], [r])}
+    model_turn(r, ids(engine, " ".join(CALL)))
+    turns.advance(groups, lambda key: prompts[key[1]])  # the call is running
+    assert r.waiting and tools["lookup"].answers
+    partial = groups[(0, 4)].partial(WIDTH, engine.pad_id)
+    saved = decode_state(np.frombuffer(encode_state(turns.state((0, 4), 1)), np.uint8).tobytes())
+
+    again, tools = make_turns(engine, tmp_path)  # a new rank after the resume
+    group = ResponseGroup.of(partial, again.turn_ends)
+    assert group.responses[0].waiting
+    again.load((0, 4), group, saved)
+    resumed = {(0, 4): group}
+    settle(again, resumed, {4: None})  # no prompt needed: the state has the answer
+    words = engine.tokenizer.convert_ids_to_tokens(group.responses[0].tokens)
+    assert words[-1] == prompts[4].ground_truth
+    assert again.finish((0, 4), 1) == [pytest.approx(0.1)]
