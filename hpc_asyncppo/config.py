@@ -651,10 +651,16 @@ def validate(cfg: Config, rollout_ranks: int = 1, train_ranks: int = 1) -> None:
     for key, high in _UPPER_BOUNDS.items():
         if _get(cfg, key) > high:
             raise ConfigError(f"{key}={_get(cfg, key)} must be <= {high}")
-    if cfg.async_training.partial_rollout and cfg.rollout.engine != "vllm":
+    if (
+        cfg.async_training.partial_rollout
+        and cfg.rollout.engine != "vllm"
+        and not cfg.rollout.multi_turn.enable
+    ):
+        # multi-turn, the hf engine's trajectories continue across syncs between two turns
         raise ConfigError(
-            "async_training.partial_rollout=true needs rollout.engine=vllm "
-            "(the hf engine cannot cut a generation and resume it)"
+            "async_training.partial_rollout=true needs rollout.engine=vllm, or "
+            "rollout.multi_turn.enable=true (the hf engine generates a single-turn response "
+            "whole: there is nothing to cut)"
         )
     turns = cfg.rollout.multi_turn
     if turns.tool_config_path and not turns.enable:
@@ -668,7 +674,12 @@ def validate(cfg: Config, rollout_ranks: int = 1, train_ranks: int = 1) -> None:
             "(verl's tool YAML, see hpc_asyncppo/tools/base.py)"
         )
     if turns.enable:
-        tool_config_file(turns.tool_config_path)
+        from hpc_asyncppo.tools.base import ToolConfigError, tool_schemas
+
+        try:  # names, schemas and classes checked here; each tool's own config at start-up
+            tool_schemas(tool_config_file(turns.tool_config_path))
+        except ToolConfigError as exc:
+            raise ConfigError(str(exc)) from None
     if cfg.rollout.engine == "hf" and cfg.rollout.tensor_parallel_size > 1:
         raise ConfigError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
     tiny_head_dim = cfg.model.tiny.hidden_size // cfg.model.tiny.num_heads

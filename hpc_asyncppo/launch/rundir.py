@@ -125,6 +125,7 @@ def drop_overlong_prompts(cfg: Config, task: Task, run_dir: Path, tokenizer: Any
     ranks load it); record the overlong ones in run_dir, or refuse them. Returns how many
     were dropped."""
     from hpc_asyncppo.tasks.overlong import check_overlong, find_overlong, write_overlong
+    from hpc_asyncppo.tools.base import tool_schemas
 
     try:
         if tokenizer is None:
@@ -139,7 +140,9 @@ def drop_overlong_prompts(cfg: Config, task: Task, run_dir: Path, tokenizer: Any
             "files (tokenizer.json, tokenizer_config.json)"
         ) from None
     prompts = task.prompts()
-    overlong = find_overlong(prompts, tokenizer, cfg.data.max_prompt_length)
+    turns = cfg.rollout.multi_turn
+    schemas = tool_schemas(turns.tool_config_path) if turns.enable else None
+    overlong = find_overlong(prompts, tokenizer, cfg.data.max_prompt_length, schemas)
     check_overlong(prompts, overlong, cfg.data)
     if overlong:
         write_overlong(run_dir, overlong, cfg.data.max_prompt_length)

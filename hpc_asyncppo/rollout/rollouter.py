@@ -109,6 +109,7 @@ class Rollouter:
         self.engine = engine if engine is not None else self.new_engine()
         startup.mark("engine built")
         self.turns = self.make_turns()  # multi-turn: the trajectories' tool calls (or None)
+        self.schemas = [t.schema for t in self.turns.tools.values()] if self.turns else None
         self.weights_spec = topo.weights  # the weight group's generation this rank is in
         self.engine.join_weights(self.weights_spec, self.first_member)
         startup.mark("weight group joined")
@@ -530,7 +531,7 @@ class Rollouter:
 
     def prompt_ids(self, index: int) -> list[int]:
         if index not in self._encoded:
-            ids = tokenize_prompt(self.engine.tokenizer, self.prompts[index])
+            ids = tokenize_prompt(self.engine.tokenizer, self.prompts[index], self.schemas)
             if len(ids) > self.cfg.data.max_prompt_length:
                 raise ValueError(
                     f"prompt {self.prompts[index].index} has {len(ids)} tokens, more than data.max_prompt_length={self.cfg.data.max_prompt_length}"

@@ -183,6 +183,7 @@ class Turns:
             t.calls = [Observation(e, error="garbage") for e in parsed.errors]
             for call in parsed.calls:
                 t.calls.append(self._start(t, call, prompt_of(key)))
+            t.rerun = False  # only the turn cut by the checkpoint runs its calls again
             for obs in t.calls:
                 if isinstance(obs, Observation):  # answered here: counted as calls are
                     self.runner.settled(obs)

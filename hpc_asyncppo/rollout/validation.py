@@ -94,7 +94,8 @@ class Validator:
             return
         self.task = load_val_task(cfg.data)
         for prompt in list(self.task.prompts())[rank::ranks]:
-            ids = tokenize_prompt(engine.tokenizer, prompt)
+            schemas = [t.schema for t in turns.tools.values()] if turns else None
+            ids = tokenize_prompt(engine.tokenizer, prompt, schemas)
             if len(ids) > cfg.data.max_prompt_length:
                 self.skipped += 1
                 continue

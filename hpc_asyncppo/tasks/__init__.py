@@ -30,12 +30,16 @@ class Prompt:
     tools_kwargs: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
 
 
-def tokenize_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
+def tokenize_prompt(tokenizer: Any, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
     """Token ids of a prompt: chat messages through the model's chat template (with the
-    generation prompt), plain text as it is."""
+    generation prompt and, multi-turn, the ``tools``' JSON schemas, which the template
+    describes to the model: Qwen2.5's in its system message), plain text as it is."""
     if prompt.messages is not None and getattr(tokenizer, "chat_template", None):
         messages = [{"role": role, "content": content} for role, content in prompt.messages]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        extra = {"tools": tools} if tools else {}
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **extra
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
 

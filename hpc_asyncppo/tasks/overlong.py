@@ -20,10 +20,11 @@ from hpc_asyncppo.tasks import Prompt, tokenize_prompt
 
 
 def find_overlong(
-    prompts: Sequence[Prompt], tokenizer: Any, max_length: int
+    prompts: Sequence[Prompt], tokenizer: Any, max_length: int, tools: list[dict] | None = None
 ) -> list[tuple[int, int]]:
-    """(prompt index, token count) of every prompt longer than ``max_length`` tokens."""
-    lengths = ((p.index, len(tokenize_prompt(tokenizer, p))) for p in prompts)
+    """(prompt index, token count) of every prompt longer than ``max_length`` tokens
+    (``tools``: multi-turn, the tool schemas the chat template adds)."""
+    lengths = ((p.index, len(tokenize_prompt(tokenizer, p, tools))) for p in prompts)
     return [(index, n) for index, n in lengths if n > max_length]
 
 

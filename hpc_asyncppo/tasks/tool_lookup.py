@@ -23,7 +23,7 @@ Reward: the task's (``reward``) and the tool's (``LookupTool.reward``), added by
 rollout rank. The task gives 0.8 for the right answer right after the tool's answer (the
 words ``<tool_response> T T``: the model can write ``<tool_response>`` itself, but it
 would have to guess T twice), and 0.1 times the share of the call's two words at the
-start of the response, in order; the tool gives 0.1 to a trajectory it answered. The last
+start of the response, in order; the tool gives 0.1 to a trajectory that called it once. The last
 two are shaping for a randomly initialised model, which would otherwise have to find the
 two-word call by chance (about 1 in 400 per response) before any reward told it
 anything: they lift it from the start, as the next-digit task's per-position credit does.
@@ -92,7 +92,7 @@ class LookupTool(Tool):
         self.delay = (float(low), float(high))
         self.rng = random.Random(0)
         self.answers: dict[str, str] = {}
-        self.called: set[str] = set()
+        self.calls: dict[str, int] = {}
 
     def create(self, instance_id: str, answer: str = "", **kwargs: Any) -> None:
         self.answers[instance_id] = answer
@@ -100,23 +100,24 @@ class LookupTool(Tool):
     def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResponse:
         if self.delay[1] > 0:
             time.sleep(self.rng.uniform(*self.delay))
-        self.called.add(instance_id)
+        self.calls[instance_id] = self.calls.get(instance_id, 0) + 1
         return ToolResponse(self.answers[instance_id])
 
     def reward(self, instance_id: str) -> float:
-        return 0.1 if instance_id in self.called else 0.0
+        """0.1 for a trajectory that called once: asking again is no use (the answer is
+        the same), and a policy that keeps calling never answers."""
+        return 0.1 if self.calls.get(instance_id) == 1 else 0.0
 
     def release(self, instance_id: str) -> None:
         self.answers.pop(instance_id, None)
-        self.called.discard(instance_id)
+        self.calls.pop(instance_id, None)
 
     def state(self, instance_id: str) -> dict[str, Any]:
-        return {"answer": self.answers[instance_id], "called": instance_id in self.called}
+        return {"answer": self.answers[instance_id], "calls": self.calls.get(instance_id, 0)}
 
     def load_state(self, instance_id: str, state: dict[str, Any]) -> None:
         self.answers[instance_id] = state["answer"]
-        if state.get("called"):
-            self.called.add(instance_id)
+        self.calls[instance_id] = int(state.get("calls", 0))
 
 
 class ToolLookupTask:

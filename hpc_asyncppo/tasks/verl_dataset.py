@@ -2,7 +2,8 @@
 
 Each row: ``prompt`` (a list of chat messages {"role", "content"}, or a plain string),
 ``reward_model.ground_truth``, and ``data_source`` (which picks the reward, e.g.
-"openai/gsm8k"; ``data.reward_fn`` overrides it). The model's chat template is applied
+"openai/gsm8k"; ``data.reward_fn`` overrides it); multi-turn, ``extra_info.tools_kwargs``
+(tool name -> {"create_kwargs": {...}}) for the tools' ``create``. The model's chat template is applied
 when the rollout tokenizes the prompt. A malformed row is an error naming file, row, field.
 """
 
@@ -90,11 +91,20 @@ class VerlDatasetTask:
         self._prompts, self._sources = [], []
         for i, row in enumerate(_rows(path)):
             prompt, truth, source = parse_row(row, f"{path}: row {i}")
+            # multi-turn: what each tool's create() gets for this row (verl's field)
+            extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+            kwargs = (
+                extra.get("tools_kwargs") if isinstance(extra.get("tools_kwargs"), dict) else None
+            )
             if isinstance(prompt, str):
-                self._prompts.append(Prompt(i, prompt, truth, data_source=source))
+                self._prompts.append(
+                    Prompt(i, prompt, truth, data_source=source, tools_kwargs=kwargs)
+                )
             else:
                 text = "\n".join(content for _, content in prompt)
-                self._prompts.append(Prompt(i, text, truth, messages=prompt, data_source=source))
+                self._prompts.append(
+                    Prompt(i, text, truth, messages=prompt, data_source=source, tools_kwargs=kwargs)
+                )
             self._sources.append(source)
         if not self._prompts:
             raise DatasetError(f"{path}: no rows")

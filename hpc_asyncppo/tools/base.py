@@ -78,7 +78,13 @@ class Tool:
         """After a resume, instead of ``create``: the state ``state`` returned."""
 
 
-def load_tools(path: str | Path) -> dict[str, Tool]:
+def tool_schemas(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON schemas of the tools the config at ``path`` names (what the chat template
+    shows the model), without building the tools."""
+    return [tool.schema for tool in load_tools(path, build=False).values()]
+
+
+def load_tools(path: str | Path, build: bool = True) -> dict[str, Tool]:
     """Every tool the config at ``path`` names, by its function name."""
     path = Path(path)
     where = f"tool config {path}"
@@ -92,14 +98,14 @@ def load_tools(path: str | Path) -> dict[str, Tool]:
         raise ToolConfigError(f"{where}: needs a non-empty list 'tools' (see tools/base.py)")
     tools: dict[str, Tool] = {}
     for i, entry in enumerate(doc["tools"]):
-        tool = _build(entry, f"{where}, tools[{i}]")
+        tool = _build(entry, f"{where}, tools[{i}]", build)
         if tool.name in tools:
             raise ToolConfigError(f"{where}: two tools are named {tool.name!r}")
         tools[tool.name] = tool
     return tools
 
 
-def _build(entry: Any, where: str) -> Tool:
+def _build(entry: Any, where: str, build: bool = True) -> Tool:
     if not isinstance(entry, dict) or "class_name" not in entry:
         raise ToolConfigError(f"{where}: needs class_name (a Tool subclass's import path)")
     schema = entry.get("tool_schema")
@@ -112,6 +118,8 @@ def _build(entry: Any, where: str) -> Tool:
     if not isinstance(config, dict):
         raise ToolConfigError(f"{where}: config must be a mapping")
     cls = _import(entry["class_name"], where)
+    if not build:  # its schema only: the base class holds it
+        return Tool(config, schema)
     try:
         return cls(config, schema)
     except (TypeError, ValueError, KeyError) as exc:

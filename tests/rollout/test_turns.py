@@ -25,7 +25,7 @@ from hpc_asyncppo.models.tiny import build_tiny_model
 from hpc_asyncppo.rollout.generation import Response, ResponseGroup
 from hpc_asyncppo.rollout.hf_engine import HFEngine
 from hpc_asyncppo.rollout.turns import Turns, decode_state, encode_state, truncate
-from hpc_asyncppo.tasks.tool_lookup import CALL, CHAT_TEMPLATE, ToolLookupTask
+from hpc_asyncppo.tasks.tool_lookup import CALL, CHAT_TEMPLATE, LookupTool, ToolLookupTask
 from hpc_asyncppo.tools.base import load_tools
 
 WIDTH = 10
@@ -62,12 +62,12 @@ def ids(engine, text: str) -> list[int]:
     return engine.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def model_turn(r: Response, tokens: list[int], version: int = 0) -> None:
+def model_turn(r: Response, tokens: list[int], width: int = WIDTH) -> None:
     """The model's turn as an engine writes it, ended at its last token."""
     r.tokens += tokens
     r.log_probs += [-1.0] * len(tokens)
-    r.versions += [version] * len(tokens)
-    r.end_turn(WIDTH, multi_turn=True)
+    r.versions += [0] * len(tokens)
+    r.end_turn(width, multi_turn=True)
 
 
 def settle(turns: Turns, groups: dict, prompts, limit_s: float = 10.0) -> None:
@@ -197,3 +197,33 @@ def test_a_checkpointed_trajectory_comes_back_with_its_tools_state_and_runs_its_
     words = engine.tokenizer.convert_ids_to_tokens(group.responses[0].tokens)
     assert words[-1] == prompts[4].ground_truth
     assert again.finish((0, 4), 1) == [pytest.approx(0.1)]
+
+
+class OnceOnly(LookupTool):
+    """A lookup tool that must not run a call twice (as one that charges, or sends)."""
+
+    rerun_safe = False
+
+
+def test_a_call_of_a_tool_not_safe_to_rerun_answers_an_error_after_the_resume(engine, tmp_path):
+    prompts = ToolLookupTask(DataConfig(num_prompts=8)).prompts()
+    config = LOOKUP.replace("hpc_asyncppo.tasks.tool_lookup.LookupTool", f"{__name__}.OnceOnly")
+    path = tmp_path / "once.yaml"
+    path.write_text(config.replace("DELAY", "0"))
+    cfg = MultiTurnConfig(enable=True, tool_config_path=str(path))
+    turns = Turns(cfg, engine.tokenizer, load_tools(path), engine.eos_id, 64)  # room for two
+    r = Response()
+    model_turn(r, ids(engine, " ".join(CALL)), 64)  # cut while its call ran
+    group = ResponseGroup.of(ResponseGroup([1], [r]).partial(64, engine.pad_id), turns.turn_ends)
+    turns.load((0, 5), group, {})
+    resumed = {(0, 5): group}
+    settle(turns, resumed, prompts)
+    response = group.responses[0]
+    assert prompts[5].ground_truth not in engine.tokenizer.convert_ids_to_tokens(
+        response.tokens[2:]
+    )
+    assert turns.counts["tool_errors"] == 1 and turns.cut_calls == 1
+    # its next turn's call is a new one, and runs
+    model_turn(response, ids(engine, " ".join(CALL)), 64)
+    settle(turns, resumed, prompts)
+    assert response.tokens[-1] == ids(engine, prompts[5].ground_truth)[0]

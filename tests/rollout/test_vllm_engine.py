@@ -308,6 +308,55 @@ def test_partial_rollout_resumes_cut_generations_under_the_new_weights(
         assert gen.versions[np.arange(N), lengths - 1].min() >= gen.versions[:, 0].min()
 
 
+def test_multi_turn_responses_wait_then_continue_from_their_observations(
+    engine, model_dir, log_probs_of
+):
+    """Multi-turn on vLLM (``rollout/turns.py`` drives both engines alike): a turn ends at a
+    turn-end token ("=" here stands for a tool call's end), the response waits (nothing is
+    generated for it) until an observation is appended, then vLLM continues from the full
+    context: every token sampled after an observation has the trainer's log-prob for that
+    context (the observation tokens holes in the mask: log-prob 0, version -1)."""
+    policy = Policy(make_cfg(model_dir, 0.7), CPU)
+    engine.load_weights({n: t.clone() for n, t in policy.named_weights()}, version=0)
+    equals = engine.encode("=")[0]
+    observation = engine.encode("4 2 =")
+    engine.turn_ends = frozenset({engine.eos_id, equals})
+    try:
+        prompts = prompts_for(engine)[:2]
+        for i, prompt in enumerate(prompts):
+            engine.submit(i, prompt, N)
+        done: dict[int, Generation] = {}
+        held: dict = {}  # response -> its length when it began to wait
+        observed = 0
+        while engine.in_flight:
+            done.update(engine.step())
+            for group in engine.groups.values():
+                for r in group.responses:
+                    if not r.waiting:
+                        continue
+                    if id(r) not in held:  # wait one step: nothing may be generated for it
+                        held[id(r)] = len(r.tokens)
+                        continue
+                    assert len(r.tokens) == held.pop(id(r)), "generated while waiting"
+                    r.observe(observation[: RESPONSE_LENGTH - len(r.tokens)])
+                    r.waiting = False
+                    r.finished = len(r.tokens) >= RESPONSE_LENGTH
+                    observed += 1
+    finally:
+        engine.turn_ends = frozenset()
+    gens = [done[i] for i in range(len(prompts))]
+    assert observed >= 3 and all(g.loss_mask is not None for g in gens), observed
+    trainer_lp, rollout_lp, mask = log_probs_of(policy, prompts, gens, engine.pad_id)
+    holes = torch.from_numpy(np.concatenate([g.loss_mask for g in gens]) == 0)
+    versions = torch.from_numpy(np.concatenate([g.versions for g in gens]))
+    assert not (mask & holes).any() and (versions[holes] == -1).all()
+    after = torch.zeros_like(mask)  # model tokens that follow an observation
+    after[:, 1:] = holes.cumsum(dim=1)[:, :-1] > 0
+    after &= mask
+    assert after.sum() >= 3
+    assert (rollout_lp - trainer_lp).abs()[mask].max().item() < TOLERANCE
+
+
 def test_greedy_groups_beside_sampled_ones_match_the_hf_engines_greedy(engine, model_dir):
     """Validation's greedy groups (temperature 0) run in the same steps as sampled ones;
     all their responses are the one greedy continuation, the hf engine's too."""
