@@ -49,20 +49,29 @@ def mean_reward(metrics: list[dict], steps: range) -> float:
     return sum(rows) / len(rows)
 
 
-def test_default_task_learns_with_vllm(tmp_path):
-    """150 steps (~45 s of training here, plus start-up): the hf engine's curve, measured
-    at 0.07 -> 0.45 mean reward over the first and last 20 steps."""
-    run_dir = tmp_path / "run"
-    proc = submit(run_dir, "--rollout-ranks", "1", *VLLM, "trainer.total_steps=150", timeout=420)
+def test_tool_task_learns_with_vllm(tmp_path):
+    """The multi-turn tool task (``tasks/tool_lookup.py``) on vLLM, 120 steps: turns stop at
+    the call's end, trajectories wait for the lookup tool while vLLM generates the others,
+    and continue from their observations (its prefix cache on). The policy learns to call
+    the tool (measured over the last 20 steps: more than 90% of trajectories, against 5% at
+    the start; on the hf engine the same rate by step 100, BENCHMARKS.md "Multi-turn tool
+    task"), every sync reaches vLLM's worker (digests at every version) and every sample is
+    trained once at its true staleness. The default task's curve on vLLM (the test this one
+    replaced, to keep one learning launch on vLLM): 0.07 -> 0.45 in 150 steps."""
+    run_dir, steps = tmp_path / "run", 120
+    args = [*VLLM, "data.task=tool_lookup", "rollout.multi_turn.enable=true",
+            "rollout.multi_turn.tool_config_path=tools/lookup.yaml", "rollout.response_length=10",
+            f"trainer.total_steps={steps}"]  # fmt: skip
+    proc = submit(run_dir, "--rollout-ranks", "1", *args, timeout=420)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, 151))
-    first, last = mean_reward(metrics, range(1, 21)), mean_reward(metrics, range(131, 151))
-    assert last > 0.25 and last > first + 0.15, f"reward {first:.3f} -> {last:.3f}"
-    # versions 0..37: the initial sync, then one every 4 steps
-    check_weights_match(run_dir, rollout_ranks=1, versions=38)
-    trained = check_audit(run_dir, sync_every=4, max_staleness=4)
-    assert all(r["param_version_end"] == r["param_version_start"] for r in trained)
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    rate = [m["multi_turn/tool_call_rate"] for m in metrics]
+    assert sum(rate[-20:]) / 20 > 0.9 and sum(rate[:5]) / 5 < 0.3, rate
+    assert mean_reward(metrics, range(steps - 19, steps + 1)) > 0.19  # the call earns 0.2
+    # versions 0..30: the initial sync, then one every 4 steps
+    check_weights_match(run_dir, rollout_ranks=1, versions=31)
+    check_audit(run_dir, sync_every=4, max_staleness=4)
 
 
 def digests(run_dir: Path, rank: int, skip: int = 0) -> dict[int, str]:
