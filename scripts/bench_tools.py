@@ -6,11 +6,14 @@ A model that calls the lookup tool on every trajectory (the tiny model trained o
 names one) generates on the transformers engine in this process, through the rollout
 rank's own multi-turn code (``rollout/turns.py``: ``advance`` then an engine step, as
 ``Rollouter.step_and_send``), with ``--groups`` prompt groups of 8 kept in flight (a
-finished group is replaced at once) for ``--seconds`` per measurement, the two tools
-alternated over ``--rounds``. Throughput: the model's own tokens (observations not
+finished group is replaced at once) for ``--seconds`` per measurement after a quarter of
+that as warm-up, the two tools alternated over ``--rounds``. Throughput: the model's own tokens (observations not
 counted) per second. A trajectory waiting for its call holds no engine time, so with
 enough trajectories in flight the engine always has others to run: the ratio says how
-close to the instant tool's throughput the slow tool's stays.
+close to the instant tool's throughput the slow tool's stays. How many are enough is
+Little's law: trajectories in flight >= trajectories finished per second x the tool's
+mean latency (1 s here); the tiny model on a CPU finishes hundreds a second, a 7B model
+on a GPU far fewer.
 
     python scripts/bench_tools.py                       # trains the model, then measures
     python scripts/bench_tools.py --model RUN/export --groups 16 64
@@ -75,9 +78,13 @@ def measure(model: Path, delay: str, groups: int, seconds: float, work: Path) ->
     for _ in range(groups):
         engine.submit((0, started), ids[started], rollout.n)
         started += 1
-    tokens = calls = idle_steps = 0
+    tokens = idle_steps = 0
     begin = time.monotonic()
-    while time.monotonic() - begin < seconds:
+    warm = begin + seconds / 4  # the first calls all start at once: counted from here
+    calls_before = None
+    while time.monotonic() - begin < seconds + seconds / 4:
+        if calls_before is None and time.monotonic() >= warm:
+            tokens, calls_before = 0, turns.counts["tool_calls"]
         if not turns.advance(engine.groups, lambda key: prompts[key[1]]):
             idle_steps += 1
             time.sleep(0.002)
@@ -90,8 +97,8 @@ def measure(model: Path, delay: str, groups: int, seconds: float, work: Path) ->
             turns.finish(key, rollout.n)
             engine.submit((0, started), ids[started % len(ids)], rollout.n)
             started += 1
-    elapsed = time.monotonic() - begin
-    calls = turns.counts["tool_calls"]
+    elapsed = time.monotonic() - warm
+    calls = turns.counts["tool_calls"] - (calls_before or 0)
     return {
         "tokens_per_s": tokens / elapsed,
         "calls_per_s": calls / elapsed,

@@ -167,7 +167,8 @@ class Rollouter:
             return None
         tools = load_tools(cfg.tool_config_path)
         width = self.cfg.rollout.response_length
-        turns = Turns(cfg, self.engine.tokenizer, tools, self.engine.eos_id, width)
+        respond = getattr(self.task, "respond", None)  # an environment's plain-text turns
+        turns = Turns(cfg, self.engine.tokenizer, tools, self.engine.eos_id, width, respond)
         self.engine.turn_ends = turns.turn_ends
         return turns
 

@@ -18,9 +18,13 @@ responses of every group in flight, training and validation alike:
   through the model's chat template, and their tokens are appended as an observation
   (``Response.observe``: log-prob 0, version -1, ``loss_mask`` 0: context, never
   trained); the response runs again;
-- a turn without a call, or past ``max_assistant_turns`` / ``max_user_turns``, or without
-  room left in ``rollout.response_length`` (model and observation tokens together), ends
-  the response.
+- a turn without a call ends the response, unless the task is an environment: its
+  ``respond(prompt, response_text)`` may answer in plain text (a user message through the
+  chat template, an observation as a tool's answer is) and the trajectory goes on, or
+  return None to end it;
+- past ``max_assistant_turns`` / ``max_user_turns`` (tool answers and an environment's
+  alike), or without room left in ``rollout.response_length`` (model and observation
+  tokens together), the response ends.
 
 A call that raises, hangs past its timeout, returns garbage or names no tool answers with
 an error message as its observation and is counted; it never ends the rank.
@@ -74,11 +78,14 @@ def truncate(text: str, limit: int, side: str) -> str:
     return text[:half] + "...(truncated)..." + text[-half:]
 
 
-def observation_ids(tokenizer: Any, answers: list[str], after_eos: bool) -> list[int]:
-    """The tokens that follow the model's turn when ``answers`` come back as tool messages:
-    what the chat template puts after an assistant message (``after_eos``: the turn ended
-    with the model's EOS, which the template writes itself and is dropped from the text),
-    then the tool messages and the generation prompt of the next assistant turn."""
+def observation_ids(
+    tokenizer: Any, answers: list[str], after_eos: bool, role: str = "tool"
+) -> list[int]:
+    """The tokens that follow the model's turn when ``answers`` come back as ``role``
+    messages (tool answers; an environment's are "user"): what the chat template puts after
+    an assistant message (``after_eos``: the turn ended with the model's EOS, which the
+    template writes itself and is dropped from the text), then the messages and the
+    generation prompt of the next assistant turn."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateMissing(
             "rollout.multi_turn needs a model whose tokenizer has a chat template (tool "
@@ -87,7 +94,7 @@ def observation_ids(tokenizer: Any, answers: list[str], after_eos: bool) -> list
     chat = [
         {"role": "user", "content": "?"},
         {"role": "assistant", "content": _MARK},
-        *({"role": "tool", "content": text} for text in answers),
+        *({"role": role, "content": text} for text in answers),
     ]
     rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     after = rendered[rendered.index(_MARK) + len(_MARK) :]
@@ -129,11 +136,18 @@ class Turns:
     """The multi-turn state of one rollout rank (``advance`` after every engine step)."""
 
     def __init__(
-        self, cfg: MultiTurnConfig, tokenizer: Any, tools: dict[str, Tool], eos_id: int, width: int
+        self,
+        cfg: MultiTurnConfig,
+        tokenizer: Any,
+        tools: dict[str, Tool],
+        eos_id: int,
+        width: int,
+        respond: Callable[[Prompt, str], str | None] | None = None,
     ):
-        """``width``: rollout.response_length, the model's and the tools' tokens together."""
+        """``width``: rollout.response_length, the model's and the tools' tokens together.
+        ``respond``: the task's, if it is an environment (``Environment``)."""
         self.cfg, self.tokenizer, self.tools, self.eos_id = cfg, tokenizer, tools, eos_id
-        self.width = width
+        self.width, self.respond = width, respond
         self.runner = ToolRunner(tools, cfg.max_parallel_calls, cfg.tool_timeout_s)
         self.live: dict[tuple[Hashable, int], Trajectory] = {}
         self.turn_ends = frozenset({eos_id, *call_end_ids(tokenizer, cfg)})
@@ -177,8 +191,20 @@ class Turns:
             over = (cfg.max_assistant_turns and turns >= cfg.max_assistant_turns) or (
                 cfg.max_user_turns and answered >= cfg.max_user_turns
             )
-            if over or not (parsed.calls or parsed.errors):
+            if over:
                 self._end(r, t, now)
+                return
+            if not (parsed.calls or parsed.errors):  # the environment's turn, if there is one
+                text = None
+                if self.respond is not None:
+                    whole = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
+                    text = self.respond(prompt_of(key), whole)
+                if text is None:
+                    self._end(r, t, now)
+                    return
+                t.waiting_since = None
+                ids = observation_ids(self.tokenizer, [text], r.tokens[-1] == self.eos_id, "user")
+                self._observe(r, ids)
                 return
             t.calls = [Observation(e, error="garbage") for e in parsed.errors]
             for call in parsed.calls:
@@ -201,6 +227,10 @@ class Turns:
         # the template's text after a turn starts with its end of turn (EOS): dropped when
         # the model wrote it, kept when its turn stopped at the call's end
         ids = observation_ids(self.tokenizer, answers, r.tokens[-1] == self.eos_id)
+        self._observe(r, ids)
+
+    def _observe(self, r, ids: list[int]) -> None:
+        """Append an observation, cut to the room left; without room the response ends."""
         room = self.width - len(r.tokens)
         r.observe(ids[:room])
         r.waiting = False

@@ -54,6 +54,17 @@ class Task(Protocol):
         ...
 
 
+class Environment(Task, Protocol):
+    """A task that answers back (multi-turn: ``rollout.multi_turn.enable=true``): after a
+    model turn without a tool call, ``respond`` gets the response so far (the model's turns
+    and every observation, as text) and returns the environment's plain-text answer (the
+    next user message, through the chat template) or None to end the trajectory. It runs
+    on the rollout rank's loop, between two engine steps: keep it quick (a slow
+    environment is a tool)."""
+
+    def respond(self, prompt: Prompt, response_text: str) -> str | None: ...
+
+
 RewardFn = Callable[[Prompt, str], float]
 
 
@@ -80,6 +91,9 @@ class _WithReward:
 
     def reward(self, prompt: Prompt, response_text: str) -> float:
         return float(self._reward_fn(prompt, response_text))
+
+    def __getattr__(self, name: str) -> Any:  # the task's own: chat_template, respond
+        return getattr(self._task, name)
 
 
 def load_task(data: DataConfig) -> Task:

@@ -227,3 +227,40 @@ def test_a_call_of_a_tool_not_safe_to_rerun_answers_an_error_after_the_resume(en
     model_turn(response, ids(engine, " ".join(CALL)), 64)
     settle(turns, resumed, prompts)
     assert response.tokens[-1] == ids(engine, prompts[5].ground_truth)[0]
+
+
+def test_an_environment_answers_in_plain_text_until_it_ends_the_trajectory(engine, tmp_path):
+    """A task with ``respond`` (an environment): after a turn without a call it answers as
+    the user, through the chat template, counted against max_user_turns; None ends it."""
+    seen = []
+
+    def respond(prompt, text):
+        seen.append(text)
+        return "3" if len(seen) == 1 else None
+
+    path = tmp_path / "tools.yaml"
+    path.write_text(LOOKUP.replace("DELAY", "0"))
+    cfg = MultiTurnConfig(enable=True, tool_config_path=str(path))
+    turns = Turns(cfg, engine.tokenizer, load_tools(path), engine.eos_id, WIDTH, respond)
+    prompts = ToolLookupTask(DataConfig(num_prompts=8)).prompts()
+    r = Response()
+    groups = {(0, 0): ResponseGroup([1], [r])}
+    model_turn(r, ids(engine, "5 <eos>"))
+    turns.advance(groups, lambda key: prompts[0])
+    # the user's answer after the model's EOS: the template's text without that EOS
+    assert engine.tokenizer.convert_ids_to_tokens(r.tokens) == ["5", "<eos>", "3"]
+    assert r.observations == [(2, 3)] and r.runnable
+    model_turn(r, ids(engine, "3 <eos>"))
+    turns.advance(groups, lambda key: prompts[0])
+    assert r.finished and seen == ["5", "5 3 3"]
+
+    limited = Turns(
+        MultiTurnConfig(enable=True, tool_config_path=str(path), max_user_turns=1),
+        engine.tokenizer, load_tools(path), engine.eos_id, WIDTH, lambda p, t: "3",
+    )  # fmt: skip
+    r = Response()
+    groups = {(0, 0): ResponseGroup([1], [r])}
+    for _ in range(2):
+        model_turn(r, ids(engine, "5 <eos>"))
+        limited.advance(groups, lambda key: prompts[0])
+    assert r.finished and len(r.observations) == 1
