@@ -64,11 +64,18 @@ def train_model(work: Path) -> Path:
     return work / "export"
 
 
-def measure(model: Path, delay: str, groups: int, seconds: float, work: Path) -> dict:
+def make_engine(model: Path, kind: str):
+    rollout = RolloutConfig(response_length=10, n=8, engine=kind)
+    if kind == "vllm":
+        from hpc_asyncppo.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(ModelConfig(path=str(model)), rollout, torch.device("cpu"), 16), rollout
+    return HFEngine(ModelConfig(path=str(model)), rollout, torch.device("cpu")), rollout
+
+
+def measure(engine, rollout, delay: str, groups: int, seconds: float, work: Path) -> dict:
     config = work / f"tools_{abs(hash(delay))}.yaml"
     config.write_text(TOOL.replace("DELAY", delay))
-    rollout = RolloutConfig(response_length=10, n=8)
-    engine = HFEngine(ModelConfig(path=str(model)), rollout, torch.device("cpu"))
     cfg = MultiTurnConfig(enable=True, tool_config_path=str(config), max_parallel_calls=8 * groups)
     turns = Turns(cfg, engine.tokenizer, load_tools(config), engine.eos_id, rollout.response_length)
     engine.turn_ends = turns.turn_ends
@@ -98,6 +105,9 @@ def measure(model: Path, delay: str, groups: int, seconds: float, work: Path) ->
             engine.submit((0, started), ids[started % len(ids)], rollout.n)
             started += 1
     elapsed = time.monotonic() - warm
+    engine.interrupt()
+    for key, _ in engine.unfinished():  # what is left, for the next measurement's engine
+        engine.groups.pop(key)
     calls = turns.counts["tool_calls"] - (calls_before or 0)
     return {
         "tokens_per_s": tokens / elapsed,
@@ -112,19 +122,26 @@ def main() -> int:
     parser.add_argument("--groups", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--engine", choices=["hf", "vllm"], default="hf",
+        help="vllm: the model needs a head size vLLM's CPU build supports (model.tiny.num_heads=2)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.engine == "vllm" and args.model is None:
+        parser.error("--engine vllm needs --model: one trained with model.tiny.num_heads=2")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = args.model or train_model(work)
-        print(f"model: {model}")
+        engine, rollout = make_engine(model, args.engine)
+        print(f"model: {model}, engine: {args.engine}")
         print("groups  instant tok/s  slow(0-2s) tok/s  ratio   calls/s (slow)  rounds")
         for groups in args.groups:
             fast, slow, slow_calls = [], [], []
             for r in range(args.rounds):
                 order = [("0", fast), ("[0, 2]", slow)]
                 for delay, into in order if r % 2 == 0 else order[::-1]:
-                    got = measure(model, delay, groups, args.seconds, work)
+                    got = measure(engine, rollout, delay, groups, args.seconds, work)
                     into.append(got["tokens_per_s"])
                     if into is slow:
                         slow_calls.append(got["calls_per_s"])
