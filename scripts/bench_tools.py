@@ -38,14 +38,9 @@ from hpc_asyncppo.config import DataConfig, ModelConfig, MultiTurnConfig, Rollou
 from hpc_asyncppo.rollout.hf_engine import HFEngine  # noqa: E402
 from hpc_asyncppo.rollout.turns import Turns  # noqa: E402
 from hpc_asyncppo.tasks import tokenize_prompt  # noqa: E402
-from hpc_asyncppo.tasks.tool_lookup import ToolLookupTask  # noqa: E402
+from hpc_asyncppo.tasks.tool_lookup import ToolLookupTask, lookup_tool_config  # noqa: E402
 from hpc_asyncppo.tools.base import load_tools  # noqa: E402
 
-TOOL = """tools:
-  - class_name: hpc_asyncppo.tasks.tool_lookup.LookupTool
-    config: {delay_s: DELAY}
-    tool_schema: {type: function, function: {name: lookup, description: d, parameters: {}}}
-"""
 LOOKUP = [
     "data.task=tool_lookup",
     "rollout.multi_turn.enable=true",
@@ -75,7 +70,7 @@ def make_engine(model: Path, kind: str):
 
 def measure(engine, rollout, delay: str, groups: int, seconds: float, work: Path) -> dict:
     config = work / f"tools_{abs(hash(delay))}.yaml"
-    config.write_text(TOOL.replace("DELAY", delay))
+    config.write_text(lookup_tool_config(delay))
     cfg = MultiTurnConfig(enable=True, tool_config_path=str(config), max_parallel_calls=8 * groups)
     turns = Turns(cfg, engine.tokenizer, load_tools(config), engine.eos_id, rollout.response_length)
     engine.turn_ends = turns.turn_ends

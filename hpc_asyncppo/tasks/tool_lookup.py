@@ -62,6 +62,18 @@ CHAT_TEMPLATE = (
 )
 
 
+def lookup_tool_config(delay_s: str = "0") -> str:
+    """The lookup tool's config (verl's tool YAML) with ``delay_s`` (YAML: a number or
+    ``[low, high]``): what tests and benchmarks write for a slow tool."""
+    return (
+        "tools:\n"
+        "  - class_name: hpc_asyncppo.tasks.tool_lookup.LookupTool\n"
+        f"    config: {{delay_s: {delay_s}}}\n"
+        "    tool_schema: {type: function, function: {name: lookup, description: Look up "
+        "the answer to the question, parameters: {type: object, properties: {}}}}\n"
+    )
+
+
 def generate_prompts(count: int, seed: int = 4321) -> list[Prompt]:
     rng = random.Random(seed)
     prompts = []

@@ -22,17 +22,12 @@ from hpc_asyncppo.checkpoint.store import CheckpointReader
 from hpc_asyncppo.models.tiny import TinyTokenizer
 from hpc_asyncppo.runlog import read_jsonl, split_metrics
 from hpc_asyncppo.tasks.next_digit import write_prompts
-from hpc_asyncppo.tasks.tool_lookup import CALL, generate_prompts
+from hpc_asyncppo.tasks.tool_lookup import CALL, generate_prompts, lookup_tool_config
 from tests.conftest import REPO
 from tests.integration.test_local_runs import check_audit
 
 pytestmark = pytest.mark.mpi
 
-TOOLS = """tools:
-  - class_name: hpc_asyncppo.tasks.tool_lookup.LookupTool
-    config: {delay_s: DELAY}
-    tool_schema: {type: function, function: {name: lookup, description: d, parameters: {}}}
-"""
 MULTI_TURN = [
     "data.task=tool_lookup",
     "rollout.multi_turn.enable=true",
@@ -81,7 +76,7 @@ def test_a_tool_run_stopped_mid_turn_resumes_every_trajectory_once_and_learns(tm
     val = tmp_path / "val.jsonl"
     write_prompts(val, generate_prompts(32, seed=99))
     tools = tmp_path / "tools.yaml"
-    tools.write_text(TOOLS.replace("DELAY", "[0.1, 0.4]"))
+    tools.write_text(lookup_tool_config("[0.1, 0.4]"))
     args = [*MULTI_TURN, f"rollout.multi_turn.tool_config_path={tools}",
             f"trainer.total_steps={steps}", "checkpoint.save_every=0",
             f"data.val={val}", "trainer.test_freq=75"]  # fmt: skip
@@ -108,7 +103,7 @@ def test_a_tool_run_stopped_mid_turn_resumes_every_trajectory_once_and_learns(tm
     assert observed or waiting, "no trajectory was cut mid-turn"
     assert all("tools" in g for g in cut)  # the tool's state rides along (JSON bytes)
 
-    (run_dir / "tool_config.yaml").write_text(TOOLS.replace("DELAY", "0"))
+    (run_dir / "tool_config.yaml").write_text(lookup_tool_config("0"))
     done = subprocess.run(
         [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", "--resume",
          str(run_dir), "--rollout-ranks", "1"],
