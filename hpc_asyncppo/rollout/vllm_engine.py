@@ -245,6 +245,7 @@ class VLLMEngine:
                 if response.runnable and response.request_id is None:
                     self._start(key, j)
         outputs = self._engine_call(self.llm.step) if self.running else []
+        done: list[Hashable] = []
         for out in outputs:
             if out.request_id not in self.running:
                 continue  # a straggler output of an aborted request
@@ -261,8 +262,10 @@ class VLLMEngine:
                 response.request_id = None
                 del self.running[out.request_id]
                 response.end_turn(self.cfg.response_length, bool(self.turn_ends))
-        # complete: by this step's outputs, or by the rank (a multi-turn response it ended)
-        done = [key for key, group in self.groups.items() if group.complete]
+                if self.groups[key].complete and key not in done:
+                    done.append(key)  # in the order vLLM finished them, as before multi-turn
+        # and those the rank completed (a multi-turn response it ended between two steps)
+        done += [key for key, group in self.groups.items() if group.complete and key not in done]
         return [(key, self._generation(self.groups.pop(key))) for key in done]
 
     @property
