@@ -68,18 +68,18 @@ def test_a_tool_run_stopped_mid_turn_resumes_every_trajectory_once_and_learns(tm
     on one rollout rank (the tool made instant: the copy of its config in the run directory
     edited, as a user may), continues both ranks' trajectories from their tokens (partial
     rollout: none generated again), runs the cut calls again, trains every sample once at
-    its true staleness, and learns to use the tool: by step 150 it calls the tool on
+    its true staleness, and learns to use the tool: by step 120 it calls the tool on
     (nearly) every trajectory, its reward past what the call alone earns, and greedy
     validation on held-out prompts calls it too (the copy of the answer comes later: 0.8
     and more by step 400 over seeds and both modes, BENCHMARKS.md "Multi-turn tool task")."""
-    run_dir, steps = tmp_path / "run", 150
+    run_dir, steps = tmp_path / "run", 120
     val = tmp_path / "val.jsonl"
     write_prompts(val, generate_prompts(32, seed=99))
     tools = tmp_path / "tools.yaml"
     tools.write_text(lookup_tool_config("[0.1, 0.4]"))
     args = [*MULTI_TURN, f"rollout.multi_turn.tool_config_path={tools}",
             f"trainer.total_steps={steps}", "checkpoint.save_every=0",
-            f"data.val={val}", "trainer.test_freq=75"]  # fmt: skip
+            f"data.val={val}", "trainer.test_freq=60"]  # fmt: skip
     proc = launch(run_dir, "--rollout-ranks", "2", *args)
     wait_for_steps(proc, run_dir, 10)
     proc.send_signal(signal.SIGTERM)
