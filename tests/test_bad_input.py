@@ -33,6 +33,8 @@ launch.json (every file under the test's tmp dir is compared before and after).
 | model_path_is_a_file          | model.path=<a file>                                 | 2 | model.path, is a file |
 | model_path_no_tokenizer       | model.path=<folder with only config.json>           | 2 | model.path, tokenizer |
 | task_not_importable           | data.task=no_such_pkg.mod:make                      | 2 | data.task, cannot be imported |
+| tool_config_not_tools         | multi_turn on, tool_config_path=<a YAML list>       | 2 | tools.yaml, 'tools' |
+| multi_turn_no_chat_template   | multi_turn on, next_digit's tiny model (no template) | 2 | multi_turn, chat template, data.task=tool_lookup |
 | data_train_missing            | data.task=jsonl without data.train                  | 2 | data.train |
 | data_train_no_such_file       | data.train=<missing file>                           | 2 | data.train, no such file |
 | jsonl_row_missing_field       | a JSONL row without ground_truth                    | 2 | rows.jsonl:2, ground_truth |
@@ -75,6 +77,7 @@ REWARD = "data.reward_fn=hpc_asyncppo.tasks.gsm8k:gsm8k_reward"
 VLLM_TINY = ["rollout.engine=vllm", "model.tiny.num_heads=2"]
 # a few seconds of real training: 2 prompts x 8 responses a step
 FAST = ["actor.ppo_mini_batch_size=2", "async_training.trigger_parameter_sync_step=1"]
+MULTI_TURN = ["rollout.multi_turn.enable=true"]
 
 
 class Workspace:
@@ -259,6 +262,18 @@ CASES: dict[str, Case] = {
         lambda ws: _run(ws, f"model.path={ws.file('model/config.json', '{}').parent}"),
         2,
         ("model.path", "tokenizer"),
+    ),
+    "tool_config_not_tools": Case(
+        lambda ws: _run(
+            ws, *MULTI_TURN, f"rollout.multi_turn.tool_config_path={ws.file('tools.yaml', '- a')}"
+        ),
+        2,
+        ("tools.yaml", "'tools'"),
+    ),
+    "multi_turn_no_chat_template": Case(
+        lambda ws: _run(ws, *MULTI_TURN, "rollout.multi_turn.tool_config_path=tools/lookup.yaml"),
+        2,
+        ("multi_turn", "chat template", "data.task=tool_lookup"),
     ),
     "task_not_importable": Case(
         lambda ws: _run(ws, "data.task=no_such_pkg.mod:make"),

@@ -141,6 +141,19 @@ def drop_overlong_prompts(cfg: Config, task: Task, run_dir: Path, tokenizer: Any
         ) from None
     prompts = task.prompts()
     turns = cfg.rollout.multi_turn
+    template = (
+        getattr(tokenizer, "chat_template", None)
+        or (
+            Path(cfg.model.path) / "chat_template.jinja"  # the tiny model's (its task's)
+        ).is_file()
+    )
+    if turns.enable and not template:
+        raise ConfigError(
+            f"rollout.multi_turn.enable=true: the model's tokenizer has no chat template "
+            f"(model.path={cfg.model.path!r}, data.task={cfg.data.task!r}), and tool answers "
+            "go back through it: use an instruct model, or for the tiny model a task that "
+            "gives it one (data.task=tool_lookup)"
+        )
     schemas = tool_schemas(turns.tool_config_path) if turns.enable else None
     overlong = find_overlong(prompts, tokenizer, cfg.data.max_prompt_length, schemas)
     check_overlong(prompts, overlong, cfg.data)
