@@ -54,7 +54,7 @@ from hpc_asyncppo.config import MultiTurnConfig
 from hpc_asyncppo.rollout.generation import ResponseGroup
 from hpc_asyncppo.tasks import Prompt
 from hpc_asyncppo.tools.base import Tool
-from hpc_asyncppo.tools.hermes import parse_tool_calls
+from hpc_asyncppo.tools.hermes import ToolCall, parse_tool_calls
 from hpc_asyncppo.tools.runner import Observation, PendingCall, ToolRunner
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class Trajectory:
 
     instance_id: str
     started: float = field(default_factory=time.monotonic)
-    calls: list[PendingCall | Observation] = field(default_factory=list)  # the turn's
+    calls: list[PendingCall] = field(default_factory=list)  # the turn's
     waiting_since: float | None = None
     wait_s: float = 0.0  # waiting for tools
     call_reward: float = 0.0  # the calls' own rewards, summed
@@ -206,18 +206,18 @@ class Turns:
                 ids = observation_ids(self.tokenizer, [text], r.tokens[-1] == self.eos_id, "user")
                 self._observe(r, ids)
                 return
-            t.calls = [Observation(e, error="garbage") for e in parsed.errors]
-            for call in parsed.calls:
-                t.calls.append(self._start(t, call, prompt_of(key)))
+            unread = ToolCall("?", {})
+            t.calls = [
+                self.runner.answered(t.instance_id, unread, Observation(e, error="garbage"))
+                for e in parsed.errors
+            ]
+            t.calls += [self._start(t, call, prompt_of(key)) for call in parsed.calls]
             t.rerun = False  # only the turn cut by the checkpoint runs its calls again
-            for obs in t.calls:
-                if isinstance(obs, Observation):  # answered here: counted as calls are
-                    self.runner.settled(obs)
-        if not all(c.done() if isinstance(c, PendingCall) else True for c in t.calls):
+        if not all(c.done() for c in t.calls):
             return
         answers = []
         for c in t.calls:
-            obs = c.observation if isinstance(c, PendingCall) else c
+            obs = c.observation
             t.call_reward += obs.reward
             answers.append(truncate(obs.text, self.cfg.max_tool_response_length,
                                     self.cfg.tool_response_truncate_side))  # fmt: skip
@@ -237,15 +237,15 @@ class Turns:
         if len(ids) >= room:  # no room for another turn
             r.finished = True
 
-    def _start(self, t: Trajectory, call, prompt: Prompt) -> PendingCall | Observation:
+    def _start(self, t: Trajectory, call: ToolCall, prompt: Prompt) -> PendingCall:
         tool = self.tools.get(call.name)
         if tool is not None and t.rerun and not tool.rerun_safe:
             self.cut_calls += 1
-            return Observation(
+            text = (
                 f"error: the call to {call.name!r} was cut by a preemption and is not run "
-                "again (the tool is not safe to re-run)",
-                error="raised",
+                "again (the tool is not safe to re-run)"
             )
+            return self.runner.answered(t.instance_id, call, Observation(text, error="raised"))
         if tool is not None and call.name not in t.created:
             state = t.tools.get(call.name)
             if state is not None:

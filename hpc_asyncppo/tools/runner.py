@@ -96,18 +96,20 @@ class ToolRunner:
     def start(self, instance_id: str, call: ToolCall) -> PendingCall:
         """Start ``call`` for the trajectory ``instance_id`` (it waits for a slot on its thread)."""
         tool = self.tools.get(call.name)
-        pending = PendingCall(self, tool, instance_id, call)
         if tool is None:
             known = ", ".join(sorted(self.tools)) or "none"
-            with pending._lock:
-                pending._settle(
-                    Observation(
-                        f"error: there is no tool {call.name!r} (tools: {known})",
-                        error="unknown_tool",
-                    )
-                )
-            return pending
+            text = f"error: there is no tool {call.name!r} (tools: {known})"
+            return self.answered(instance_id, call, Observation(text, error="unknown_tool"))
+        pending = PendingCall(self, tool, instance_id, call)
         threading.Thread(target=pending._run, daemon=True, name=f"tool-{call.name}").start()
+        return pending
+
+    def answered(self, instance_id: str, call: ToolCall, observation: Observation) -> PendingCall:
+        """A call answered without running (no such tool, unreadable, not run again),
+        counted as every call is."""
+        pending = PendingCall(self, None, instance_id, call)
+        with pending._lock:
+            pending._settle(observation)
         return pending
 
     def settled(self, observation: Observation) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 from hpc_asyncppo import runlog
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.paths import DROPPED, TRAINED
+from hpc_asyncppo.rollout.generation import spans
 from hpc_asyncppo.trainer.intake import Batch, staleness_of
 from hpc_asyncppo.trainer.progress import Progress
 from hpc_asyncppo.transport.samples import SampleGroup
@@ -137,8 +138,7 @@ class StepLog:
             for j in range(g.n):
                 length = int(g.response_lengths[j])
                 mask = g.loss_mask[j, :length] if g.loss_mask is not None else np.ones(length)
-                spans = int(np.sum(np.diff(np.concatenate([[1], mask, [1]])) == -1))
-                turns.append(spans + 1)
+                turns.append(len(spans(mask)) + 1)  # observations, and a model turn after each
                 observed.append(length - int(mask.sum()))
         total = {k: sum(t[k] for t in self.tools.values()) for k in ("tool_calls", "tool_errors",
                  "tool_timeouts", "tool_s", "tool_wait_s", "trajectory_s")}  # fmt: skip
