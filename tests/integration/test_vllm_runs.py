@@ -293,9 +293,10 @@ def test_dead_and_stuck_engines_restart_in_place_and_lose_nothing(tmp_path):
     check_weights_match(run_dir, rollout_ranks=2, versions=steps + 1, restarts=True)
     # the stop finds rank 0 in a decoding step or in a weight update's RPC
     assert re.search(r"pid \d+\) [^\n]* for rollout.engine_stall_s=5 s with \d+ requests", logs[0])
-    kept = [
-        int(t)
-        for log in logs
-        for t in re.findall(r"groups in flight \((\d+) tokens\) continue", log)
-    ]
-    assert len(kept) == restarts and sum(kept) > 0, kept
+    # Every restart says what it kept. Whether a fault finds groups mid-response depends on
+    # when it lands (with a sync every step a rank often waits for weights with none in
+    # flight: CI's run of 612c2ac had both faults there), so this asserts the account, not
+    # a count of tokens; groups continuing from their tokens after a restart are asserted in
+    # tests/rollout/test_rollouter.py, and tokens_regenerated == 0 above holds either way.
+    kept = re.findall(r"\d+ groups in flight \(\d+ tokens\) continue", "".join(logs))
+    assert len(kept) == restarts, kept
