@@ -175,6 +175,15 @@ class ActorConfig:
     )
     min_lr_ratio: float = 0.0  # cosine: final learning rate as a fraction of actor.lr
     torch_threads: int = 1  # intra-op threads of each trainer rank
+    # LoRA (hpc_asyncppo/models/lora.py, verl's names): adapters of this rank on every target
+    # module, trained on a frozen base kept in model.dtype; only the adapters are synced and
+    # checkpointed, and with use_kl_loss the reference is the base (adapters off). 0: off.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0  # the adapters' product is scaled by lora_alpha / lora_rank
+    # all-linear (every linear layer but the LM head) or module names, comma-separated
+    # (e.g. q_proj,k_proj,v_proj,o_proj)
+    target_modules: str = "all-linear"
+    lora_dropout: float = 0.0  # dropout on the adapters' input (training forward only)
 
 
 @dataclass
@@ -429,6 +438,9 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "actor.lr_warmup_steps": (0, False),
     "actor.min_lr_ratio": (0, False),
     "actor.torch_threads": (1, False),
+    "actor.lora_rank": (0, False),
+    "actor.lora_alpha": (0, True),
+    "actor.lora_dropout": (0, False),
     "critic.value_coef": (0, False),
     "critic.cliprange_value": (0, True),
     "algorithm.gamma": (0, False),
@@ -469,6 +481,7 @@ _UPPER_BOUNDS: dict[str, float] = {
     "algorithm.lam": 1.0,
     "actor.clip_ratio_low": 1.0,
     "actor.min_lr_ratio": 1.0,
+    "actor.lora_dropout": 0.99,
 }
 
 

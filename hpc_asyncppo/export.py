@@ -16,6 +16,13 @@ whose header is laid out beforehand from the shapes in the parts' layout. So the
 holds at most one tensor at a time: its rows as read (fp32), the joined tensor and its cast
 copy, about 3x the largest tensor's fp32 bytes, never the model.
 
+A LoRA run (``actor.lora_rank`` > 0) checkpoints its adapters only: ``--lora-format
+merged`` (the default) writes the same HF folder with each targeted weight made base +
+(alpha / rank) B @ A, the base read from the run's ``model.path`` (whose checksum must be
+the one the checkpoint names); ``--lora-format adapter`` writes a PEFT adapter folder
+(``adapter_config.json``, ``adapter_model.safetensors``) that ``PeftModel.from_pretrained``
+loads onto that base.
+
 Everything is written into a temporary folder beside OUT_DIR, fsynced, then renamed to
 OUT_DIR: an export that fails or is interrupted leaves nothing behind.
 """
@@ -29,6 +36,7 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +60,7 @@ DTYPE_NAMES = {
     "fp16": "float16",
     "float16": "float16",
 }
+LORA_FORMATS = ("merged", "adapter")
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
@@ -165,9 +174,12 @@ def candidate_checkpoints(run_dir: Path, step: int | None) -> list[Path]:
 # --- writing ---------------------------------------------------------------------------------
 
 
-def parameter_specs(folder: Path, manifest: dict, source: Path) -> list[TensorSpec]:
+def parameter_specs(
+    folder: Path, manifest: dict, source: Path, lora: bool = False
+) -> list[TensorSpec]:
     """The checkpoint's model tensors in the HF model's own order, checked against the
-    model built (on the meta device) from ``source``'s config."""
+    model built (on the meta device) from ``source``'s config. ``lora``: the checkpoint
+    holds adapters; each must belong to a weight of that model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(source)
@@ -177,6 +189,16 @@ def parameter_specs(folder: Path, manifest: dict, source: Path) -> list[TensorSp
     with protocol.ShardedReader(folder, manifest, [0]) as reader:
         names = reader.keys("model") or []
         stored = {n: reader.shape(("model", n)) for n in names}
+        if lora:
+            check_lora_base(folder, reader.get("lora_base"), source)
+    if lora:
+        strays = [n for n in stored if adapted_weight(n) not in expected]
+        if strays or not stored:
+            raise ExportError(
+                f"checkpoint {folder} holds LoRA adapters {strays[:3]} that {source}'s model "
+                "has no weight for; was model.path changed?"
+            )
+        return [TensorSpec(n, s) for n, s in expected.items()]
     missing = sorted(set(expected) - set(stored))
     extra = sorted(set(stored) - set(expected))
     if missing or extra:
@@ -193,23 +215,68 @@ def parameter_specs(folder: Path, manifest: dict, source: Path) -> list[TensorSp
     return [TensorSpec(n, s) for n, s in expected.items()]
 
 
+def adapted_weight(adapter: str) -> str:
+    """``<module>.lora_A.default.weight`` -> ``<module>.weight``."""
+    return adapter.split(".lora_")[0] + ".weight"
+
+
+def check_lora_base(folder: Path, saved: object, source: Path) -> None:
+    from hpc_asyncppo.models.lora import base_identity
+
+    if saved is None:
+        raise ExportError(f"checkpoint {folder} has no lora_base: it was not written with LoRA")
+    theirs, mine = json.loads(str(saved)), json.loads(base_identity(source))
+    if theirs["sha256"] != mine["sha256"]:
+        raise ExportError(
+            f"checkpoint {folder} holds LoRA adapters of the base model at {theirs['path']}, "
+            f"but {source} has other files: restore that model.path"
+        )
+
+
+class MergedWeights:
+    """A LoRA checkpoint's weights: each base weight from the model's files, plus
+    ``scale`` B @ A where the checkpoint has adapters for it (fp32)."""
+
+    def __init__(self, reader: protocol.ShardedReader, source: Path, scale: float):
+        from hpc_asyncppo.trainer.model import SafetensorsWeights
+
+        self.reader, self.base, self.scale = reader, SafetensorsWeights(source), scale
+        self.adapters = set(reader.keys("model") or [])
+
+    def whole(self, name: str) -> torch.Tensor:
+        shape = self.reader.shape(("model", name))
+        return self.reader.rows(("model", name), slice(0, shape[0])).float()
+
+    def __call__(self, spec: TensorSpec) -> torch.Tensor:
+        tensor = self.base.read(spec.name, None).float()
+        module = spec.name[: -len(".weight")]
+        a, b = f"{module}.lora_A.default.weight", f"{module}.lora_B.default.weight"
+        if a in self.adapters:
+            tensor += self.scale * (self.whole(b) @ self.whole(a))
+        return tensor
+
+
 def write_weights(
     folder: Path, manifest: dict, specs: list[TensorSpec], dtype: torch.dtype, out: Path,
-    max_bytes: int,
+    max_bytes: int, merge: tuple[Path, float] | None = None,
 ) -> None:  # fmt: skip
-    """Each tensor gathered from the trainer parts and written into its shard, in order."""
+    """Each tensor gathered from the trainer parts and written into its shard, in order
+    (``merge``: (base folder, alpha / rank), a LoRA checkpoint's adapters merged into it)."""
     shards = plan_shards(specs, dtype, max_bytes)
     parts = [int(n[len("trainer") : -3]) for n in manifest["parts"] if n.startswith("trainer")]
     weight_map: dict[str, str] = {}
     total = 0
     with protocol.ShardedReader(folder, manifest, parts) as reader:
+        merged = MergedWeights(reader, *merge) if merge else None
         for index, shard in enumerate(shards):
             name = shard_name(index, len(shards))
             path = out / name
             with path.open("wb") as f:
                 f.write(safetensors_header(shard, dtype))
                 for spec in shard:
-                    if spec.shape:
+                    if merged is not None:
+                        tensor = merged(spec)
+                    elif spec.shape:
                         tensor = reader.rows(("model", spec.name), slice(0, spec.shape[0]))
                     else:  # a scalar is whole in every part
                         tensor = reader.get("model", spec.name)
@@ -244,12 +311,21 @@ def export_checkpoint(
     step: int | None = None,
     dtype: str | None = None,
     max_shard_mb: float = DEFAULT_SHARD_MB,
+    lora_format: str = "merged",
 ) -> Path:
     """Write the policy at checkpoint ``step`` (None: the newest valid) of ``run_dir`` to
-    ``out_dir`` as a Hugging Face folder in ``dtype`` (None: the run's model.dtype).
+    ``out_dir`` as a Hugging Face folder in ``dtype`` (None: the run's model.dtype); of a
+    LoRA run, ``lora_format`` ``merged`` or ``adapter`` (a PEFT adapter folder).
     Returns the checkpoint folder used. ExportError (one line) on bad input."""
     run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir).resolve()
     cfg = run_config(run_dir)
+    if lora_format not in LORA_FORMATS:
+        raise ExportError(f"--lora-format {lora_format!r} is not one of: {', '.join(LORA_FORMATS)}")
+    if lora_format == "adapter" and cfg.actor.lora_rank == 0:
+        raise ExportError(
+            f"--lora-format adapter: {run_dir} trained every weight (actor.lora_rank=0), it has "
+            "no adapters; leave --lora-format out"
+        )
     name = DTYPE_NAMES.get(dtype or cfg.model.dtype)
     if name is None:
         raise ExportError(f"--dtype {dtype!r} is not one of: {', '.join(DTYPE_NAMES)}")
@@ -262,7 +338,10 @@ def export_checkpoint(
     candidates = candidate_checkpoints(run_dir, step)
     for i, folder in enumerate(candidates):
         try:
-            write_folder(folder, source, DTYPES[name], out_dir, int(max_shard_mb * 2**20))
+            if lora_format == "adapter":
+                write_adapter_folder(folder, source, cfg, out_dir)
+            else:
+                write_folder(folder, source, DTYPES[name], out_dir, int(max_shard_mb * 2**20), cfg)
             return folder
         except CheckpointError as exc:
             if i + 1 == len(candidates):
@@ -273,16 +352,65 @@ def export_checkpoint(
     raise AssertionError("unreachable")
 
 
-def write_folder(folder: Path, source: Path, dtype: torch.dtype, out: Path, max_bytes: int) -> None:
+def write_folder(
+    folder: Path, source: Path, dtype: torch.dtype, out: Path, max_bytes: int, cfg: Config
+) -> None:
     """The whole export of checkpoint ``folder`` into a temporary folder, renamed to ``out``."""
     manifest = protocol.check_manifest(folder)
-    specs = parameter_specs(folder, manifest, source)
+    lora = cfg.actor.lora_rank > 0
+    specs = parameter_specs(folder, manifest, source, lora)
+    merge = (source, cfg.actor.lora_alpha / cfg.actor.lora_rank) if lora else None
+
+    def write(tmp: Path) -> None:
+        write_weights(folder, manifest, specs, dtype, tmp, max_bytes, merge)
+        write_metadata(source, dtype, tmp)
+
+    write_atomically(out, write)
+    log.info("exported %s to %s (%s)", folder, out, dtype)
+
+
+def write_adapter_folder(folder: Path, source: Path, cfg: Config, out: Path) -> None:
+    """A LoRA checkpoint's adapters as a PEFT adapter folder for the base at ``source``:
+    ``adapter_config.json`` and ``adapter_model.safetensors`` (fp32, peft's key names)."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    manifest = protocol.check_manifest(folder)
+    parameter_specs(folder, manifest, source, lora=True)  # the base checked, names too
+    parts = [int(n[len("trainer") : -3]) for n in manifest["parts"] if n.startswith("trainer")]
+    tensors = {}
+    with protocol.ShardedReader(folder, manifest, parts) as reader:
+        for name in reader.keys("model") or []:
+            shape = reader.shape(("model", name))
+            whole = reader.rows(("model", name), slice(0, shape[0])).float().contiguous()
+            tensors["base_model.model." + name.replace(".default.", ".")] = whole
+    a = cfg.actor
+    targets = a.target_modules
+    config = LoraConfig(
+        r=a.lora_rank,
+        lora_alpha=a.lora_alpha,
+        lora_dropout=a.lora_dropout,
+        target_modules=targets if targets == "all-linear" else targets.split(","),
+        base_model_name_or_path=str(source),
+        task_type="CAUSAL_LM",
+    )
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(str(tmp))
+
+    write_atomically(out, write)
+    log.info("exported the LoRA adapters of %s to %s", folder, out)
+
+
+def write_atomically(out: Path, write: Callable[[Path], None]) -> None:
+    """``write`` into a temporary folder beside ``out``, fsynced, renamed to ``out``;
+    nothing is left behind when it fails."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        write_weights(folder, manifest, specs, dtype, tmp, max_bytes)
-        write_metadata(source, dtype, tmp)
+        write(tmp)
         for path in tmp.iterdir():
             fsync_file(path)
         fsync_dir(tmp)
@@ -293,7 +421,6 @@ def write_folder(folder: Path, source: Path, dtype: torch.dtype, out: Path, max_
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("exported %s to %s (%s)", folder, out, dtype)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,12 +439,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-shard-mb", type=float, default=DEFAULT_SHARD_MB, help="largest safetensors file"
     )
+    parser.add_argument(
+        "--lora-format",
+        default="merged",
+        choices=LORA_FORMATS,
+        help="a LoRA run: the merged model (default) or a PEFT adapter folder",
+    )
     args = parser.parse_args(argv)
     if args.max_shard_mb <= 0:
         parser.error(f"--max-shard-mb={args.max_shard_mb} must be > 0")
     try:
         folder = export_checkpoint(
-            args.run_dir, args.out_dir, args.step, args.dtype, args.max_shard_mb
+            args.run_dir, args.out_dir, args.step, args.dtype, args.max_shard_mb, args.lora_format
         )
     except (ExportError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from hpc_asyncppo.config import ModelConfig, RolloutConfig
+from hpc_asyncppo.models import lora
 from hpc_asyncppo.rollout.generation import (
     DTYPES,
     Generation,
@@ -62,6 +63,10 @@ class HFEngine:
         )
         self.model.eval()
         self._params = dict(self.model.named_parameters())
+        self.model_path = model.path
+        # LoRA (models/lora.py): the base's files, and the adapters of the last sync
+        self.base: lora.BaseWeights | None = None
+        self.adapters: dict[str, torch.Tensor] | None = None
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
@@ -225,8 +230,15 @@ class HFEngine:
 
         ``specs`` (the header) are checked against the model before any bucket is taken,
         so a mismatched sync is refused whole; the buckets' tensors are not kept (the
-        receiver reuses their memory), so nothing beyond the model is held here."""
+        receiver reuses their memory), so nothing beyond the model is held here.
+
+        A sync of LoRA adapters (``models/lora.py``: every name an adapter's) is merged
+        into the base instead (``load_adapters``)."""
+        if specs and all(lora.is_wire_adapter(name) for name, _, _ in specs):
+            self.load_adapters(specs, buckets, version)
+            return
         self.check_weights(specs)
+        self.adapters = None
         params = dict(self.model.named_parameters())
         loaded: set[str] = set()
         for bucket in buckets:
@@ -240,6 +252,32 @@ class HFEngine:
             raise RuntimeError(
                 f"weight sync ended without {sorted(set(params) - loaded)[:5]}: the model is half-loaded"
             )
+        self.version = version
+
+    @torch.no_grad()
+    def load_adapters(
+        self,
+        specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+        buckets: Iterable[dict[str, torch.Tensor]],
+        version: int,
+    ) -> None:
+        """A LoRA sync: the adapters (kept: a few megabytes, and what the digest covers),
+        then each targeted weight set to base + B @ A from the base's files. Whole or not
+        at all: nothing is loaded before every adapter has come."""
+        names = {name for name, _, _ in specs}
+        adapters = {n: t.clone() for bucket in buckets for n, t in bucket.items()}
+        if set(adapters) != names:
+            raise RuntimeError(f"a LoRA sync ended without {sorted(names - set(adapters))[:5]}")
+        if self.base is None:
+            self.base = lora.BaseWeights(self.model_path)
+        targets = lora.base_targets(adapters)
+        missing = [n for n in targets if n not in self._params]
+        if missing:
+            raise ValueError(f"LoRA sync: the rollout model has no weight {missing[0]!r}")
+        dtype = next(iter(self._params.values())).dtype
+        for name, merged in lora.merged_weights(adapters, self.base.read(targets), dtype):
+            self._params[name].copy_(merged)
+        self.adapters = adapters
         self.version = version
 
     def weight_destination(self, name: str) -> torch.Tensor | None:
@@ -286,7 +324,9 @@ class HFEngine:
         return self._loaded(start, digest)
 
     def _loaded(self, start: float, digest: bool) -> WeightUpdate:
-        digests = [weights_digest(self.named_parameters()) if digest else ""]
+        """The digest covers what the leader sent: the weights, or the LoRA adapters."""
+        held = self.named_parameters() if self.adapters is None else list(self.adapters.items())
+        digests = [weights_digest(held) if digest else ""]
         return WeightUpdate(self.version, digests, time.monotonic() - start)
 
     def close(self) -> None:

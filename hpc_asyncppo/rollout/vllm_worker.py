@@ -36,8 +36,10 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -45,6 +47,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from hpc_asyncppo.models import lora
 from hpc_asyncppo.runlog import WeightDigest
 from hpc_asyncppo.transport.weight_group import WeightGroupSpec, open_weight_group
 from hpc_asyncppo.transport.weights import WeightReceiver, check_version
@@ -103,7 +106,11 @@ class WeightGroupEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
         check_version(update_info.version, incoming.version, f"weight-group rank {self.rank}")
         digest = WeightDigest() if update_info.digest else None
         loading = 0.0
-        for bucket in incoming.buckets(keep=True):
+        buckets = incoming.buckets(keep=True)
+        if any(lora.is_wire_adapter(name) for name, _, _ in incoming.specs()):
+            buckets = self.merged_buckets(buckets, digest)
+            digest = None  # it has the adapters: what the leader sent
+        for bucket in buckets:
             if digest is not None:
                 for name, tensor in bucket.items():
                     digest.add(name, tensor)
@@ -118,6 +125,28 @@ class WeightGroupEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
             "load_s": loading,  # in vLLM's loader (and the layers it processed meanwhile)
             "peak_bytes": self.receiver.peak_bytes,
         }
+
+    def merged_buckets(
+        self, buckets: Iterator[dict[str, torch.Tensor]], digest: WeightDigest | None
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """A LoRA sync (``models/lora.py``): every adapter first (megabytes), then the whole
+        model in the base files' order, each targeted weight merged (base + B @ A): vLLM's
+        layerwise reload processes a layer once all of its tensors came, so a sync that
+        loaded only the targeted weights would leave layers (a bias beside a merged weight)
+        half-loaded. Only the adapters crossed the network; the base is read from the
+        model's files here, one tensor at a time."""
+        adapters: dict[str, torch.Tensor] = {}
+        for bucket in buckets:
+            adapters.update(bucket)
+        if digest is not None:
+            for name, tensor in adapters.items():
+                digest.add(name, tensor)
+        base = lora.BaseWeights(self.model_config.model)
+        merged = lora.merged_weights(
+            adapters, base.read(), self.model_config.dtype, everything=True
+        )
+        for name, tensor in merged:
+            yield {name: tensor}
 
     def shutdown(self) -> None:
         self.group = None

@@ -29,6 +29,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hpc_asyncppo.config import Config
+from hpc_asyncppo.models import lora as lora_lib
+from hpc_asyncppo.rollout.generation import DTYPES
 
 
 class PolicyModule(nn.Module):
@@ -200,22 +202,39 @@ def build_sharded(
     compute: torch.dtype | None,
     with_value_head: bool,
 ) -> PolicyModule:
-    """The LM (and value head) on the meta device, sharded, then each rank's rows read in."""
+    """The LM (and value head) on the meta device, sharded, then each rank's rows read in.
+
+    With ``actor.lora_rank`` > 0 the LM's own weights are frozen in ``model.dtype`` (not
+    ``master``) and peft's adapters (``models/lora.py``) are injected before sharding, in
+    fp32, A drawn whole from ``trainer.seed`` (the same whatever T) and B zero."""
     config = AutoConfig.from_pretrained(cfg.model.path)
     config.use_cache = False
+    lora = cfg.actor.lora_rank > 0
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(
-            config, dtype=master, attn_implementation=cfg.model.attn_implementation
+            config,
+            dtype=DTYPES[cfg.model.dtype] if lora else master,
+            attn_implementation=cfg.model.attn_implementation,
         )
         value_head = nn.Linear(config.hidden_size, 1, dtype=master) if with_value_head else None
+    if lora:
+        a = cfg.actor
+        try:
+            lora_lib.inject(lm, a.lora_rank, a.lora_alpha, a.target_modules, a.lora_dropout)
+        except ValueError as exc:  # peft: no module matched
+            raise ValueError(f"actor.target_modules={a.target_modules!r}: {exc}") from None
     if cfg.actor.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     module = PolicyModule(lm, value_head)
     shard_model(module, mesh, compute)
     module.to_empty(device=device)
     weights = SafetensorsWeights(cfg.model.path)
+    gen = torch.Generator().manual_seed(cfg.trainer.seed)
     for name, param in lm.named_parameters():
-        _load_rows(param, weights, name)
+        if lora_lib.is_adapter(name):
+            _init_adapter(param, name, gen)
+        else:
+            _load_rows(param, weights, lora_lib.base_name(name))
     for sub in lm.modules():  # non-persistent buffers (rotary frequencies) are not in the files
         if list(sub.buffers(recurse=False)) and not list(sub.parameters(recurse=False)):
             lm._init_weights(sub)
@@ -227,6 +246,18 @@ def build_sharded(
         set_full(value_head.weight, full_w)
         set_full(value_head.bias, torch.zeros(1))
     return module
+
+
+@torch.no_grad()
+def _init_adapter(param: torch.Tensor, name: str, gen: torch.Generator) -> None:
+    """peft's initialisation, drawn whole on every rank then sliced: A uniform in
+    +-1/sqrt(in_features) (kaiming-uniform with a=sqrt(5)), B zero, so that the adapted
+    model starts as the base."""
+    if ".lora_B." in name:
+        set_full(param, torch.zeros(param.shape))
+        return
+    bound = param.shape[1] ** -0.5
+    set_full(param, (torch.rand(param.shape, generator=gen) * 2 - 1) * bound)
 
 
 @torch.no_grad()

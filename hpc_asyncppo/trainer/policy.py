@@ -14,6 +14,12 @@ What a trainer rank holds, for N parameters:
 - with ``actor.use_kl_loss``, a frozen reference model sharded the same way in
   ``model.dtype`` (2 N / T bytes for bf16), without gradients or optimizer state.
 
+With LoRA (``actor.lora_rank`` > 0, ``models/lora.py``) the N base parameters are frozen
+in ``model.dtype`` (2 N / T bytes for bf16, no gradients, no optimizer state, no
+reference copy: the reference is the base with the adapters off), and only the M adapter
+parameters have fp32 masters, gradients and AdamW moments (16 M / T). Syncs and
+checkpoints carry the adapters only; a checkpoint names its base (``lora_base``).
+
 Mixed precision: forward and backward run in ``model.dtype``; gradients are reduce-scattered
 in fp32 and summed: the loss of each micro-batch is already its share of the mini-batch's
 loss over every rank (``algos.agg_loss_share``), so an update does not depend on how rows
@@ -32,6 +38,7 @@ from __future__ import annotations
 import json
 import resource
 from collections.abc import Iterator
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -41,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from hpc_asyncppo.checkpoint.store import CheckpointError, StateReader
 from hpc_asyncppo.config import Config
+from hpc_asyncppo.models import lora as lora_lib
 from hpc_asyncppo.rollout.generation import DTYPES
 from hpc_asyncppo.runtime.signals import stop_requested
 from hpc_asyncppo.trainer import advantages, algos
@@ -71,12 +79,16 @@ class Policy:
         self.module.train()
         self.model = self.module.lm
         self.value_head = self.module.value_head
+        self.lora = cfg.actor.lora_rank > 0
         self.reference: PolicyModule | None = None
-        if cfg.actor.use_kl_loss:  # the initial weights, frozen, kept in the compute dtype
+        if cfg.actor.use_kl_loss and not self.lora:  # the initial weights, frozen
             self.reference = build_sharded(cfg, mesh, device, dtype, None, False).eval()
             self.reference.requires_grad_(False)
+        # what the optimizer steps (and a checkpoint's optimizer state indexes): every
+        # parameter, or with LoRA the adapters (and value head)
+        self.trained = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.module.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay
+            self.trained, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay
         )
         total_updates = (
             cfg.trainer.total_steps * cfg.actor.ppo_epochs * cfg.async_training.require_batches
@@ -91,15 +103,22 @@ class Policy:
         with_values: bool = False,
         reference: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(log-probs, entropy or None, values or None), each (B, L); see PolicyModule."""
-        module = self.reference if reference else self.module
-        return module(
-            batch,
-            self.cfg.rollout.temperature,
-            self.cfg.actor.log_prob_chunk_tokens,
-            with_entropy=with_entropy,
-            with_values=with_values,
-        )
+        """(log-probs, entropy or None, values or None), each (B, L); see PolicyModule.
+        ``reference``: the frozen reference model's (with LoRA: the base's, adapters off)."""
+        module = self.reference if reference and not self.lora else self.module
+        off = lora_lib.adapters_disabled(self.model) if reference and self.lora else nullcontext()
+        with off:
+            return module(
+                batch,
+                self.cfg.rollout.temperature,
+                self.cfg.actor.log_prob_chunk_tokens,
+                with_entropy=with_entropy,
+                with_values=with_values,
+            )
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None or (self.lora and self.cfg.actor.use_kl_loss)
 
     def all_reduce(
         self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
@@ -121,6 +140,12 @@ class Policy:
 
     def weight_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(name, full shape, dtype) of each tensor ``named_weights`` yields; no communication."""
+        if self.lora:
+            return [
+                (lora_lib.wire_name(n), tuple(p.shape), torch.float32)
+                for n, p in self.model.named_parameters()
+                if lora_lib.is_adapter(n)
+            ]
         return [(n, tuple(p.shape), self.compute_dtype) for n, p in self.model.named_parameters()]
 
     def named_weights(self, owned: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -128,7 +153,13 @@ class Policy:
         Collective: every trainer rank must iterate it to the end, in step. ``owned``: each
         tensor is memory of its own (copied where it would be the parameter itself, one
         rank in the master dtype), so it may be read after the next update. Each shard is
-        cast to ``model.dtype`` before the gather: half the traffic of gathering fp32."""
+        cast to ``model.dtype`` before the gather: half the traffic of gathering fp32.
+
+        With LoRA: the adapters only, in fp32 under their wire names, B multiplied by its
+        layer's alpha / rank (``models/lora.py``: the rollout merges them into its base)."""
+        if self.lora:
+            yield from self._adapter_weights()
+            return
         for name, param in self.resharded().lm.named_parameters():
             full = gather_full(param.detach().to(self.compute_dtype))
             if owned:
@@ -136,6 +167,16 @@ class Policy:
                 if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
                     full = full.clone()
             yield name, full
+
+    def _adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        scale = lora_lib.scaling(self.model)
+        for name, param in self.resharded().lm.named_parameters():
+            if not lora_lib.is_adapter(name):
+                continue
+            full = gather_full(param.detach()).to(torch.float32, copy=True)
+            if ".lora_B." in name:
+                full *= scale[name.split(".lora_B.")[0]]
+            yield lora_lib.wire_name(name), full
 
     def shard_tree(self) -> dict:
         """This rank's part of a checkpoint, without communication: its rows of every
@@ -152,14 +193,17 @@ class Policy:
 
         tree: dict = {"model": {}}
         for name, param in self.model.named_parameters():
-            tree["model"][name] = local(("model", name), param)
+            if param.requires_grad:  # with LoRA the base is not saved: lora_base names it
+                tree["model"][name] = local(("model", name), param)
+        if self.lora:
+            tree["lora_base"] = self.lora_base
         if self.value_head is not None:
             tree["value_head"] = {
                 name: local(("value_head", name), param)
                 for name, param in self.value_head.named_parameters()
             }
         state: dict = {}
-        for index, param in enumerate(self.module.parameters()):
+        for index, param in enumerate(self.trained):
             entries = self.optimizer.state.get(param, {})
             if entries:
                 state[index] = {
@@ -204,7 +248,7 @@ class Policy:
                 raise CheckpointError(
                     f"checkpoint {source} has no {key!r} (was it written with another algorithm?)"
                 )
-            mine = dict(module.named_parameters())
+            mine = {n: p for n, p in module.named_parameters() if p.requires_grad}
             for name in mine:
                 if name not in names:
                     raise CheckpointError(
@@ -223,12 +267,36 @@ class Policy:
                         f"the model has {tuple(param.shape)}"
                     )
                 set_rows(param, reader, (key, name))
+        if self.lora:
+            self.check_lora_base(reader, source)
         self.load_optimizer(reader)
         if reader.keys("lr_schedule") is not None:
             self.schedule.load_state_dict(reader.get("lr_schedule"))
 
+    @property
+    def lora_base(self) -> str:
+        """The base model's identity (JSON: path and checksum), computed once."""
+        if not hasattr(self, "_lora_base"):
+            self._lora_base = lora_lib.base_identity(self.cfg.model.path)
+        return self._lora_base
+
+    def check_lora_base(self, reader: StateReader, source: str) -> None:
+        """A LoRA checkpoint's adapters belong to one base model: the one it names."""
+        saved = reader.get("lora_base")
+        if saved is None:
+            raise CheckpointError(
+                f"checkpoint {source} has no lora_base: it was not written with LoRA"
+            )
+        saved_id, mine = json.loads(str(saved)), json.loads(self.lora_base)
+        if saved_id["sha256"] != mine["sha256"]:
+            raise CheckpointError(
+                f"checkpoint {source} holds LoRA adapters of the base model at {saved_id['path']} "
+                f"(sha256 {saved_id['sha256'][:12]}), but model.path={mine['path']} has other "
+                f"files (sha256 {mine['sha256'][:12]}): resume with that model.path"
+            )
+
     def load_optimizer(self, reader: StateReader) -> None:
-        params = list(self.module.parameters())
+        params = self.trained
         state: dict[int, dict] = {}
         for index in reader.keys("optimizer", "state") or []:
             param = params[int(index)]
@@ -339,7 +407,7 @@ def reference_quantities(
         out["old_log_probs"] = torch.zeros_like(mask)
     if policy.value_head is not None:
         out["values"] = torch.zeros_like(mask)
-    if policy.reference is not None:
+    if policy.has_reference:
         out["ref_log_probs"] = torch.zeros_like(mask)
     if not out:
         plans = []
@@ -356,7 +424,7 @@ def reference_quantities(
             out["old_log_probs"][index, :width] = log_probs
         if own_pass and values is not None:
             out["values"][index, :width] = values
-        if policy.reference is not None:
+        if policy.has_reference:
             out["ref_log_probs"][index, :width] = policy.forward(mb, reference=True)[0].float()
     if cfg.async_training.use_rollout_log_probs:
         out["old_log_probs"] = batch["rollout_log_probs"]

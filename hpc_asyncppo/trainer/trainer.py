@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import time
 from pathlib import Path
@@ -101,6 +102,10 @@ class TrainerLeader:
             on_group=lambda group: self.steplog.note_rollout(group),
         )
         self.last_sync_s = 0.0
+        # bytes of each sync: the model in model.dtype, or with LoRA the adapters (fp32)
+        self.sync_bytes = sum(
+            math.prod(shape) * dtype.itemsize for _, shape, dtype in self.policy.weight_specs()
+        )
         # in-flight weight updates: the broadcast on its side thread, once a first went out
         self.inflight_updates = (
             cfg.async_training.inflight_weight_update and cfg.async_training.mode != "sync"
@@ -211,6 +216,7 @@ class TrainerLeader:
             "queue/groups": len(self.intake),
             "queue/spilled_groups": self.intake.queue.spilled_count,
             "sync/time_s": self.last_sync_s,
+            "sync/bytes": self.sync_bytes,
             "memory/trainer_state_mb": self.policy.state_bytes() / 2**20,
             "memory/trainer_peak_mb": peak_memory_mb(self.topo.device),
         }

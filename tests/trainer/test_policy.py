@@ -59,7 +59,9 @@ def make_cfg(model_dir: Path, **sections: dict) -> Config:
 def full_gradients(policy: Policy) -> dict[str, np.ndarray]:
     """Every parameter's whole gradient (collective over the policy's ranks)."""
     return {
-        name: gather_full(p.grad).numpy().copy() for name, p in policy.module.named_parameters()
+        name: gather_full(p.grad).numpy().copy()
+        for name, p in policy.module.named_parameters()
+        if p.requires_grad  # with LoRA: the adapters
     }
 
 
@@ -96,6 +98,8 @@ ALGOS = {
             "entropy_coeff": 0.01,
         },
     },
+    # LoRA adapters on the frozen base, the KL reference being the base with them off
+    "lora_kl": {"actor": {"lora_rank": 4, "lora_alpha": 8.0, "use_kl_loss": True}},
     "reinforce_pp_token_rs": {
         "algorithm": {
             "adv_estimator": "reinforce_plus_plus",
@@ -113,6 +117,8 @@ COMBOS = [(mode, algo) for mode in MODES for algo in ("grpo", "gae_kl_entropy")]
     ("seq-mean-token-sum-norm", "gspo_kl_entropy_geometric_rs"),
     ("token-mean", "reinforce_pp_token_rs"),
     ("seq-mean-token-sum", "reinforce_pp_token_rs"),
+    ("token-mean", "lora_kl"),
+    ("seq-mean-token-sum-norm", "lora_kl"),
 ]
 # multi-turn batches (observation holes): every mode, and each per-token estimator
 HOLES = [(mode, "grpo") for mode in MODES] + [
