@@ -178,10 +178,12 @@ class ActorConfig:
     # LoRA (hpc_asyncppo/models/lora.py, verl's names): adapters of this rank on every target
     # module, trained on a frozen base kept in model.dtype; only the adapters are synced and
     # checkpointed, and with use_kl_loss the reference is the base (adapters off). 0: off.
+    # Its learning rate is the user's: the default task learns with lora_rank=8 at lr=1e-3
+    # (BENCHMARKS.md, "LoRA", 5 seeds); the 7B recipe takes ten times full fine-tuning's.
     lora_rank: int = 0
     lora_alpha: float = 16.0  # the adapters' product is scaled by lora_alpha / lora_rank
-    # all-linear (every linear layer but the LM head) or module names, comma-separated
-    # (e.g. q_proj,k_proj,v_proj,o_proj)
+    # module names, comma-separated (e.g. q_proj,k_proj,v_proj,o_proj), where all-linear
+    # means every linear layer but the LM head (peft's meaning): all-linear,lm_head adds it
     target_modules: str = "all-linear"
     lora_dropout: float = 0.0  # dropout on the adapters' input (training forward only)
 

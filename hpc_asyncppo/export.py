@@ -385,12 +385,13 @@ def write_adapter_folder(folder: Path, source: Path, cfg: Config, out: Path) -> 
             whole = reader.rows(("model", name), slice(0, shape[0])).float().contiguous()
             tensors["base_model.model." + name.replace(".default.", ".")] = whole
     a = cfg.actor
-    targets = a.target_modules
+    # the modules that have adapters, by the last part of their names (as training chose them)
+    targets = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in tensors})
     config = LoraConfig(
         r=a.lora_rank,
         lora_alpha=a.lora_alpha,
         lora_dropout=a.lora_dropout,
-        target_modules=targets if targets == "all-linear" else targets.split(","),
+        target_modules=targets,
         base_model_name_or_path=str(source),
         task_type="CAUSAL_LM",
     )

@@ -19,6 +19,11 @@ the root unit (embeddings and an untied LM head) and two decoder layers gathered
 micro-batch (with gradient checkpointing each layer's input plus one layer recomputed), and
 the fp32 logits of ``actor.log_prob_chunk_tokens`` tokens three times (logits, softmax,
 gradient).
+
+With LoRA (``actor.lora_rank``, ``models/lora.py``) the base is frozen in ``model.dtype``
+(size N / T bytes, no gradient or AdamW state) and the L adapter parameters carry the fp32
+state (16 L / T); the layer's gradient is the adapters'; the reference costs nothing (the
+base with adapters off). A rollout worker then also holds the adapters of a sync (4 L).
 """
 
 from __future__ import annotations
@@ -88,6 +93,20 @@ class ModelShape:
     def params(self) -> int:
         return self.layers * self.layer_params + self.root_params
 
+    def lora_params(self, rank: int, targets: str) -> int:
+        """Adapter parameters of LoRA ``rank`` on ``targets`` (``actor.target_modules``: names
+        separated by commas, ``all-linear`` for every layer matrix): rank x (in + out) each."""
+        kv = self.kv_heads * (self.hidden // self.heads)
+        h, i = self.hidden, self.intermediate
+        matrices = {"q_proj": h + h, "k_proj": h + kv, "v_proj": h + kv, "o_proj": h + h,
+                    "gate_proj": h + i, "up_proj": h + i, "down_proj": i + h}  # fmt: skip
+        names = {t.strip() for t in targets.split(",")}
+        if "all-linear" in names:
+            names |= set(matrices)
+        per_layer = sum(rank * sides for name, sides in matrices.items() if name in names)
+        head = rank * (h + self.vocab) if "lm_head" in names else 0
+        return self.layers * per_layer + head
+
     @property
     def largest_tensor(self) -> int:
         return max(self.vocab * self.hidden, self.hidden * self.intermediate)
@@ -113,6 +132,8 @@ def rollout_problem(cfg: Config, shape: ModelShape, gpu_gb: float) -> str | None
         )
     buckets = 2 * cfg.trainer.weight_sync_bucket_mb * 2**20
     held = max(shape.layer_params, shape.largest_tensor) * size
+    if cfg.actor.lora_rank:  # a LoRA sync's adapters, kept until the model is merged
+        held += 4 * shape.lora_params(cfg.actor.lora_rank, cfg.actor.target_modules)
     outside = CONTEXT_GB * GB + buckets + held
     free = gpu_gb * GB - share
     if outside > free:
@@ -143,16 +164,27 @@ def trainer_terms(cfg: Config, shape: ModelShape, train_ranks: int) -> dict[str,
         activations = shape.layers * tokens * h * size + per_layer_activations
     else:
         activations = shape.layers * per_layer_activations
+    if a.lora_rank:
+        adapters = shape.lora_params(a.lora_rank, a.target_modules)
+        state = {
+            f"frozen base in {cfg.model.dtype} (sharded)": size * n / train_ranks,
+            "fp32 adapters, gradients and AdamW moments (sharded)": 16 * adapters / train_ranks,
+            "one layer's fp32 adapter gradients": 4 * adapters / shape.layers,
+        }
+    else:
+        state = {
+            "fp32 weights, gradients and AdamW moments (sharded)": 16 * n / train_ranks,
+            "one layer's fp32 gradient": 4 * shape.layer_params,
+        }
     terms = {
-        "fp32 weights, gradients and AdamW moments (sharded)": 16 * n / train_ranks,
+        **state,
         "root unit gathered": shape.root_params * size,
         "two decoder layers gathered": 2 * shape.layer_params * size,
-        "one layer's fp32 gradient": 4 * shape.layer_params,
         f"activations of {tokens} tokens": activations,
         "logits of one chunk (fp32, x3)": 3 * 4 * a.log_prob_chunk_tokens * shape.vocab,
         "CUDA context and NCCL": CONTEXT_GB * GB,
     }
-    if a.use_kl_loss:
+    if a.use_kl_loss and not a.lora_rank:
         terms["frozen reference (sharded)"] = size * n / train_ranks
     return terms
 

@@ -7,7 +7,13 @@ synthetic batch. Prints per rank: ``memory/trainer_state_mb`` (weights + gradien
 state of its shard), its peak RSS and the peak's growth over the process before the model,
 and the mean step time after the first; then the ratios of state per rank to T = 1.
 
+With ``--lora RANK`` every case runs twice, full fine-tuning and LoRA of that rank on
+``all-linear`` (``actor.lora_rank``): the frozen base is held in --dtype with no master,
+gradient or AdamW state, the adapters in fp32 with all three; the LoRA/full ratios of
+state and peak RSS growth per rank follow.
+
     python scripts/bench_trainer_memory.py [--ranks 1 2 4] [--dtype bfloat16] [--steps 3]
+    python scripts/bench_trainer_memory.py --ranks 1 2 --lora 8
 """
 
 from __future__ import annotations
@@ -68,7 +74,9 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+def worker(
+    rank: int, world: int, port: int, args: argparse.Namespace, out: str, lora_rank: int
+) -> None:
     from hpc_asyncppo.config import Config
     from hpc_asyncppo.trainer.batch import shard_rows, to_tensors
     from hpc_asyncppo.trainer.policy import Policy, ppo_update
@@ -81,7 +89,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     cfg = dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, path=args.model_dir, dtype=args.dtype),
-        actor=dataclasses.replace(cfg.actor, ppo_micro_batch_size_per_gpu=args.micro, lr=1e-5),
+        actor=dataclasses.replace(
+            cfg.actor, ppo_micro_batch_size_per_gpu=args.micro, lr=1e-5, lora_rank=lora_rank
+        ),
     )
     policy = Policy(cfg, torch.device("cpu"))
     batch = synthetic_batch(args.rows, args.prompt, args.response, args.vocab)
@@ -92,6 +102,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         ppo_update(policy, mine)
         times.append(time.perf_counter() - start)
     row = {
+        "lora": lora_rank,
         "ranks": world,
         "rank": rank,
         "state_mb": policy.state_bytes() / 2**20,
@@ -99,7 +110,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         "peak_growth_mb": rss_mb() - before,
         "step_s": float(np.mean(times[1:] if len(times) > 1 else times)),
     }
-    Path(out, f"{world}-{rank}.json").write_text(json.dumps(row))
+    Path(out, f"{lora_rank}-{world}-{rank}.json").write_text(json.dumps(row))
     dist.destroy_process_group()
 
 
@@ -121,6 +132,7 @@ def main() -> int:
     p.add_argument("--response", type=int, default=96)
     p.add_argument("--micro", type=int, default=2, help="ppo_micro_batch_size_per_gpu")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--lora", type=int, default=0, help="also LoRA of this rank, side by side")
     args = p.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     work = Path(tempfile.mkdtemp(prefix="bench_trainer_memory_"))
@@ -133,19 +145,30 @@ def main() -> int:
     print(f"expected state per rank: 16 bytes x N / T = {16 * params / 2**20:.0f} MB / T")
     rows = []
     for world in args.ranks:
-        mp.start_processes(worker, args=(world, free_port(), args, str(work)), nprocs=world,
-                           start_method="spawn")  # fmt: skip
-        rows += [json.loads((work / f"{world}-{r}.json").read_text()) for r in range(world)]
-    print(f"{'ranks':>5} {'rank':>4} {'state_mb':>9} {'peak_rss_mb':>11} {'peak_growth_mb':>14} "
-          f"{'step_s':>7}")  # fmt: skip
+        for lora_rank in (0, args.lora) if args.lora else (0,):
+            mp.start_processes(worker, args=(world, free_port(), args, str(work), lora_rank),
+                               nprocs=world, start_method="spawn")  # fmt: skip
+            rows += [json.loads((work / f"{lora_rank}-{world}-{r}.json").read_text())
+                     for r in range(world)]  # fmt: skip
+    print(f"{'lora':>4} {'ranks':>5} {'rank':>4} {'state_mb':>9} {'peak_rss_mb':>11} "
+          f"{'peak_growth_mb':>14} {'step_s':>7}")  # fmt: skip
     for r in rows:
-        print(f"{r['ranks']:>5} {r['rank']:>4} {r['state_mb']:>9.1f} {r['peak_mb']:>11.0f} "
-              f"{r['peak_growth_mb']:>14.0f} {r['step_s']:>7.2f}")  # fmt: skip
-    base = next(r["state_mb"] for r in rows if r["ranks"] == args.ranks[0] and r["rank"] == 0)
+        print(f"{r['lora']:>4} {r['ranks']:>5} {r['rank']:>4} {r['state_mb']:>9.1f} "
+              f"{r['peak_mb']:>11.0f} {r['peak_growth_mb']:>14.0f} {r['step_s']:>7.2f}")  # fmt: skip
+
+    def leader(world: int, lora_rank: int = 0) -> dict:
+        return next(r for r in rows if (r["ranks"], r["rank"], r["lora"]) == (world, 0, lora_rank))
+
+    base = leader(args.ranks[0])["state_mb"]
     for world in args.ranks:
-        leader = next(r for r in rows if r["ranks"] == world and r["rank"] == 0)
         print(f"state per rank at {world} ranks / at {args.ranks[0]}: "
-              f"{leader['state_mb'] / base:.3f}")  # fmt: skip
+              f"{leader(world)['state_mb'] / base:.3f}")  # fmt: skip
+        if args.lora:
+            full, lora = leader(world), leader(world, args.lora)
+            print(f"  LoRA rank {args.lora} / full at {world} ranks: state "
+                  f"{lora['state_mb'] / full['state_mb']:.3f}, peak RSS growth "
+                  f"{lora['peak_growth_mb'] / full['peak_growth_mb']:.3f}, step time "
+                  f"{lora['step_s'] / full['step_s']:.2f}")  # fmt: skip
     return 0
 
 

@@ -10,6 +10,13 @@ same shapes. Alternating, repeated:
   copies the rest, as the HF engine does;
 - ``raw``: one ``dist.broadcast`` of a single preallocated flat tensor of the same bytes.
 
+With ``--lora RANK`` a third method, ``lora``, syncs the same model as LoRA does
+(``models/lora.py``): rank 0 broadcasts only fp32 adapters of that rank for every layer
+matrix (q/k/v/o/gate/up/down, peft's ``all-linear``), and each receiver merges them into
+the base exactly as the HF engine does: the targeted weights read from the base's
+safetensors files (written once before the case), base + B @ A in fp32, copied into the
+model. Its time therefore includes the merge; ``full/lora`` is the ratio to ``project``.
+
 Time: from a barrier to the slowest rank's end (all-reduced max). Memory, per rank: the
 most bucket-buffer bytes alive at once (counted by the project's ``Window``) and the
 growth of the process's resident set over its level before the sync (sampled every ms from
@@ -20,6 +27,7 @@ RSS growth is the buffers' allocation; later ones grow by what a sync allocates 
 
     python scripts/bench_weight_sync.py                # 256 MiB and 1 GiB, 1 and 3 receivers
     python scripts/bench_weight_sync.py --sizes 256 --receivers 1 --repeats 2
+    python scripts/bench_weight_sync.py --sizes 256 1024 --receivers 1 --lora 8
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import argparse
 import os
 import socket
 import statistics
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -36,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hpc_asyncppo.models import lora
 from hpc_asyncppo.transport.weights import WeightBroadcaster, WeightReceiver, specs_of
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -76,6 +86,44 @@ def qwen_like(total_mib: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     for i in range(layers):
         specs += [(f"model.layers.{i}.{n}", s, d) for n, s, d in layer]
     return specs + tail
+
+
+LORA_TARGETS = ("_proj.weight",)  # every layer matrix: peft's all-linear without the LM head
+
+
+def adapters_of(specs: list, rank: int, g: torch.Generator) -> list[tuple[str, torch.Tensor]]:
+    """fp32 LoRA adapters of ``rank`` (A: rank x in, B: out x rank, on the wire's names) for
+    every layer matrix of ``specs``."""
+    out = []
+    for name, shape, _ in specs:
+        if name.endswith(LORA_TARGETS) and len(shape) == 2:
+            module = name[: -len(".weight")]
+            out.append((module + lora.LORA_A, torch.randn((rank, shape[1]), generator=g) / 100))
+            out.append((module + lora.LORA_B, torch.randn((shape[0], rank), generator=g) / 100))
+    return out
+
+
+def write_base(specs: list, folder: str) -> None:
+    """The base model's weights as one safetensors file (what a LoRA receiver reads)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(1)
+    save_file(
+        {n: torch.randn(s, generator=g).to(d) for n, s, d in specs}, f"{folder}/model.safetensors"
+    )
+
+
+def lora_sync(end, version: int, adapters: list, model: dict, base: lora.BaseWeights) -> int:
+    """One LoRA sync: the adapters over ``end``; a receiver merges them into its model as
+    the HF engine's ``load_adapters`` does."""
+    if isinstance(end, WeightBroadcaster):
+        end.broadcast(version, iter(adapters), specs=specs_of(adapters))
+        return end.peak_bytes
+    got = {n: t.clone() for bucket in end.receive().buckets() for n, t in bucket.items()}
+    targets = lora.base_targets(got)
+    for name, merged in lora.merged_weights(got, base.read(targets), model[targets[0]].dtype):
+        model[name].copy_(merged)
+    return end.peak_bytes
 
 
 class RssPeak:
@@ -124,7 +172,9 @@ def project_sync(end, version: int, weights: list, model: dict) -> int:
     return end.peak_bytes
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, size: int, queue) -> None:
+def worker(
+    rank: int, world: int, port: int, args: argparse.Namespace, size: int, base_dir: str, queue
+) -> None:
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group(
@@ -147,6 +197,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, size: int
     flat = (
         torch.ones(total, dtype=torch.uint8) if rank == 0 else torch.zeros(total, dtype=torch.uint8)
     )
+    adapters = adapters_of(specs, args.lora, g) if args.lora and rank == 0 else []
+    base = lora.BaseWeights(base_dir) if args.lora and rank else None
     bucket_bytes = args.bucket_mb * 2**20
     cpu = torch.device("cpu")
     end = (
@@ -156,13 +208,16 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, size: int
     )
     rows = []
     for repeat in range(args.repeats):
-        for method in ("project", "raw") if repeat % 2 == 0 else ("raw", "project"):
+        methods = ("project", "raw", "lora") if args.lora else ("project", "raw")
+        for method in methods if repeat % 2 == 0 else methods[::-1]:
             dist.barrier(group=group)
             with RssPeak() as rss:
                 start = time.perf_counter()
                 if method == "raw":
                     dist.broadcast(flat, src=0, group=group)
                     buffers = 0
+                elif method == "lora":
+                    buffers = lora_sync(end, repeat, adapters, model, base)
                 else:
                     buffers = project_sync(end, repeat, weights, model)
                 seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
@@ -198,6 +253,7 @@ def main() -> None:
     parser.add_argument("--receivers", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--repeats", type=int, default=4, help="runs of each method per case")
     parser.add_argument("--bucket-mb", type=int, default=64, help="the sync's bucket size")
+    parser.add_argument("--lora", type=int, default=0, help="also a LoRA sync of this rank")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     print(f"bucket {args.bucket_mb} MiB, {args.repeats} repeats per method, gloo on 127.0.0.1")
@@ -208,10 +264,15 @@ def main() -> None:
         for receivers in args.receivers:
             queue = ctx.SimpleQueue()
             world = 1 + receivers
-            mp.spawn(worker, args=(world, free_port(), args, size, queue), nprocs=world, join=True)
+            with tempfile.TemporaryDirectory() as base_dir:
+                if args.lora:
+                    write_base(qwen_like(size), base_dir)
+                mp.spawn(
+                    worker, args=(world, free_port(), args, size, base_dir, queue), nprocs=world
+                )  # fmt: skip
             total, rows = queue.get()
             medians = {}
-            for method in ("project", "raw"):
+            for method in ("project", "raw", "lora") if args.lora else ("project", "raw"):
                 mine = [r for r in rows if r[0] == method]
                 med = [statistics.median(r[i] for r in mine) for i in range(1, 6)]
                 medians[method] = med[0]
@@ -227,6 +288,16 @@ def main() -> None:
                 )
                 print("                 runs s: " + " ".join(f"{r[1]:.3f}" for r in mine))
             print(f"{'':16s} project/raw bandwidth: {medians['raw'] / medians['project']:.2f}x")
+            if args.lora:
+                sent = sum(
+                    t.numel() * 4
+                    for _, t in adapters_of(qwen_like(size), args.lora, torch.Generator())
+                )
+                print(
+                    f"{'':16s} LoRA rank {args.lora}: {sent / 2**20:.1f} MiB of adapters on the wire "
+                    f"({sent / total:.3f} of the model); full/lora time: "
+                    f"{medians['project'] / medians['lora']:.2f}x"
+                )
 
 
 if __name__ == "__main__":

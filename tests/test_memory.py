@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from hpc_asyncppo.config import ConfigError, check_memory, load_config
 from hpc_asyncppo.memory import GB, ModelShape, trainer_terms
@@ -76,3 +77,39 @@ def test_trainer_ranks_decide_whether_the_state_fits(qwen_7b) -> None:
 def test_no_declared_size_or_no_readable_config_checks_nothing(qwen_7b, tmp_path) -> None:
     check_memory(recipe(qwen_7b), 1)  # 122 GB of state on one rank, but no size declared
     check_memory(recipe(tmp_path / "absent", "slurm.train.gpu_memory_gb=1"), 1)
+
+
+def lora_recipe(model: Path, *overrides: str):
+    return load_config("grpo-lora-qwen2.5-7b-gsm8k", [f"model.path={model}", *overrides], 4, 4)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj,lm_head"])
+def test_the_adapter_count_is_what_peft_puts_into_qwen_7b(qwen_7b, targets) -> None:
+    """The arithmetic's L against peft's own injection into Qwen2.5-7B (on the meta device)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from hpc_asyncppo.models import lora
+
+    with torch.device("meta"):
+        lm = Qwen2ForCausalLM(Qwen2Config(**QWEN2_5_7B_CONFIG))
+    lora.inject(lm, 64, 32.0, targets, 0.0)
+    injected = sum(p.numel() for n, p in lm.named_parameters() if lora.is_adapter(n))
+    assert ModelShape.of(str(qwen_7b)).lora_params(64, targets) == injected
+    if targets == "all-linear":
+        assert abs(injected - 1.615e8) < 0.001e8  # the recipe's L
+
+
+def test_lora_fits_4_trainer_ranks_of_40_gb_where_full_fine_tuning_does_not(qwen_7b) -> None:
+    """configs/grpo-lora-qwen2.5-7b-gsm8k.yaml: 3.8 GB of frozen bf16 base and 0.6 GB of
+    adapter state per rank, no reference, about 16 GB in all; the same run without LoRA
+    needs 30.5 GB of state and is refused on 40 GB GPUs."""
+    terms = trainer_terms(lora_recipe(qwen_7b), ModelShape.of(str(qwen_7b)), 4)
+    gb = {name.split(" (")[0]: round(b / GB, 1) for name, b in terms.items()}
+    assert gb["frozen base in bfloat16"] == 3.8
+    assert gb["fp32 adapters, gradients and AdamW moments"] == 0.6
+    assert not any("reference" in name for name in terms)
+    assert 15 < sum(terms.values()) / GB < 17
+    sizes = ["slurm.rollout.gpu_memory_gb=40", "slurm.train.gpu_memory_gb=40"]
+    check_memory(lora_recipe(qwen_7b, *sizes, "actor.use_kl_loss=true"), 4)
+    with pytest.raises(ConfigError, match=r"fp32 weights, gradients and AdamW moments"):
+        check_memory(lora_recipe(qwen_7b, *sizes, "actor.lora_rank=0"), 4)

@@ -34,16 +34,29 @@ from torch import nn
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 
 
+def target_names(lm: nn.Module, targets: str) -> list[str]:
+    """The module names (peft matches their ends) that ``targets`` means in ``lm``: names
+    separated by commas, where ``all-linear`` stands for every linear layer but the LM head
+    (peft's meaning); ``all-linear,lm_head`` adds the head."""
+    names = [t.strip() for t in targets.split(",") if t.strip()]
+    if "all-linear" in names:
+        head = lm.get_output_embeddings()
+        linear = {
+            n.rsplit(".", 1)[-1]
+            for n, m in lm.named_modules()
+            if isinstance(m, nn.Linear) and m is not head
+        }
+        names = sorted(linear) + [n for n in names if n != "all-linear"]
+    return names
+
+
 def inject(lm: nn.Module, rank: int, alpha: float, targets: str, dropout: float) -> None:
     """Put peft's LoRA layers into ``lm`` (on the meta device, before sharding): adapters in
-    fp32 and trainable, every other parameter frozen. ``targets``: ``all-linear`` (every
-    linear layer but the LM head) or module names separated by commas."""
+    fp32 and trainable, every other parameter frozen. ``targets``: see ``target_names``."""
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.lora import LoraLayer
 
-    names: str | list[str] = targets
-    if targets != "all-linear":
-        names = [t.strip() for t in targets.split(",") if t.strip()]
+    names = target_names(lm, targets)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=names, lora_dropout=dropout)
     inject_adapter_in_model(config, lm)
     for module in lm.modules():

@@ -106,14 +106,14 @@ class WeightGroupEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
         check_version(update_info.version, incoming.version, f"weight-group rank {self.rank}")
         digest = WeightDigest() if update_info.digest else None
         loading = 0.0
-        buckets = incoming.buckets(keep=True)
+        buckets, each = incoming.buckets(keep=True), digest
         if any(lora.is_wire_adapter(name) for name, _, _ in incoming.specs()):
-            buckets = self.merged_buckets(buckets, digest)
-            digest = None  # it has the adapters: what the leader sent
+            buckets = self.merged_buckets(buckets, digest)  # digests what the leader sent
+            each = None
         for bucket in buckets:
-            if digest is not None:
+            if each is not None:
                 for name, tensor in bucket.items():
-                    digest.add(name, tensor)
+                    each.add(name, tensor)
             began = time.monotonic()
             self.model.load_weights(list(bucket.items()))
             loading += time.monotonic() - began
