@@ -1,15 +1,12 @@
 """A LoRA run under mpirun (``actor.lora_rank`` > 0, models/lora.py): a real Qwen2-shaped
-model, two trainer ranks, stopped by SIGTERM mid-run and resumed on one (and on vLLM's CPU
-build, where it is installed, instead of the HF engine); every sync carries
+model, two trainer ranks, stopped by SIGTERM mid-run and resumed on one; every sync carries
 the adapters only, and every rollout rank holds the leader's adapters at every version;
 every sample is trained once; the checkpoint holds the adapters and names its base; the
 export, merged or as a PEFT adapter folder, gives the trainer's logits."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -27,7 +24,7 @@ from hpc_asyncppo.models.tiny import build_tokenizer
 from hpc_asyncppo.runlog import read_jsonl
 from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.policy import Policy
-from tests.conftest import REPO, vllm_environment
+from tests.conftest import REPO
 from tests.integration.test_local_runs import check_audit, check_weights_match
 
 pytestmark = pytest.mark.mpi
@@ -57,8 +54,7 @@ def submit(*args: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """10 steps: SIGTERM after step 3 on two trainer ranks and the HF engine, the rest
-    resumed on one trainer rank and vLLM."""
+    """10 steps: SIGTERM after step 3 on two trainer ranks, the rest resumed on one."""
     root = tmp_path_factory.mktemp("lora_run")
     model = qwen2_model(root / "qwen2")
     run = root / "run"
@@ -79,15 +75,9 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 143 and "continue with" in err, out + err
-    # the rest on vLLM's CPU build where it is installed: its worker merges the adapters
-    # into the base and reloads the model through vLLM's loader (the GPU's code path)
-    engine, env = [], None
-    if importlib.util.find_spec("vllm") is not None:
-        engine = ["rollout.engine=vllm"]
-        env = os.environ | vllm_environment(root / "vllm")
     done = subprocess.run(
-        submit("--resume", str(run), "--train-ranks", "1", *engine),
-        cwd=REPO, capture_output=True, text=True, timeout=300, env=env,
+        submit("--resume", str(run), "--train-ranks", "1"),
+        cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     return run

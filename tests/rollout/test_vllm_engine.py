@@ -2,8 +2,8 @@
 workers, each loading the full tensors through vLLM's loader, which shards them): log-probs
 against the trainer's, weight updates through the weight group's worker code (this process
 is the group's sender, as the trainer leader is in a job), worker-side digests, the memory
-a sync costs the process that drives the engine, partial rollout across an update, and a
-dead engine process.
+a sync costs the process that drives the engine, a LoRA sync (adapters merged by each
+worker), partial rollout across an update, and a dead engine process.
 
 vLLM's CPU attention has no kernel for the default tiny model's head size (64 / 4 heads =
 16), so these tests build a wider Llama with head size 32 (256 wide, 8 heads: ~5 MB of
@@ -219,6 +219,38 @@ def test_after_a_weight_update_log_probs_match_the_new_weights(engine, model_dir
             hf_lp = torch.log_softmax(logits, -1).gather(1, ids[:, None]).squeeze(1)
             got = torch.as_tensor(greedy.log_probs[0, :length])
             assert (hf_lp - got).abs().max().item() < TOLERANCE, f"v{version} prompt {i}"
+
+
+def test_a_lora_sync_carries_adapters_and_the_workers_generate_with_them(
+    engine, model_dir, log_probs_of
+):
+    """A LoRA sync (``models/lora.py``) into both TP workers: only the adapters cross (the
+    workers' digests are the adapters'), each worker merges them into the base it reads
+    from the model's files and reloads the model; the sampled log-probs then equal the
+    trainer's forward with the adapters applied (and not the base's)."""
+    from hpc_asyncppo.models import lora
+
+    cfg = make_cfg(model_dir, 0.7)
+    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, lora_rank=4))
+    policy = Policy(cfg, CPU)
+    gen = torch.Generator().manual_seed(41)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if ".lora_B." in name:  # B starts at zero: give the adapters an effect
+                local = p.to_local() if isinstance(p, DTensor) else p
+                local.add_(0.5 * torch.randn(local.shape, generator=gen))
+    adapters = {n: t.clone() for n, t in policy.named_weights()}
+    assert adapters and all(lora.is_wire_adapter(n) for n in adapters)
+    update = engine.load_weights(adapters, version=7, digest=True)
+    assert update.digests == [weights_digest(list(adapters.items()))] * TP
+    prompts = prompts_for(engine)
+    gens = engine.generate(prompts, N)
+    lp, rollout_lp, mask = log_probs_of(policy, prompts, gens, engine.pad_id)
+    diff = (lp - rollout_lp).abs()[mask]
+    assert diff.max().item() < TOLERANCE, f"max diff {diff.max().item()}"
+    with lora.adapters_disabled(policy.model):
+        base_lp, _, _ = log_probs_of(policy, prompts, gens, engine.pad_id)
+    assert (base_lp - rollout_lp).abs()[mask].max().item() > 0.1  # the adapters count
 
 
 def rss_bytes() -> int:
