@@ -140,7 +140,10 @@ def merged_weights(
         module = name[: -len(".weight")] if name.endswith(".weight") else None
         if module in modules:
             a, b = adapters[module + LORA_A], adapters[module + LORA_B]
-            full = tensor.to(a.device, torch.float32) + b.float() @ a.float()
+            # one fp32 copy of the base, B @ A added into it (a copy: the base may be a
+            # read-only memory map already in fp32)
+            full = tensor.to(a.device, torch.float32, copy=True)
+            full.addmm_(b.float(), a.float())
             merged.add(module)
             yield name, full.to(dtype)
         elif everything:
