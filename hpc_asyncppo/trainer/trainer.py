@@ -14,22 +14,15 @@ it), goes back to the front of the queue.
 
 The leader's state is in objects that checkpoint themselves: the intake, the counters
 (``progress.py``), the policy's shards; the checkpoint collects them (``checkpoint``).
-
-A rollout rank whose engine died and is restarting in place says REJOIN
-(``rollout/rollouter.py``): before its next sync, or at once while it waits for samples,
-the leader has every rank meet in a new weight group (``regroup``: REGROUP, the group's
-next generation on the same store) and sends the weights again, the same version when
-they have not moved since (else as a new one). A broadcast that breaks on the dead
-engine (it died mid-sync, or before its REJOIN arrived) waits for that REJOIN
-(``timeouts.rank_wait_s``), regroups and sends again; without a REJOIN the failure stands.
-Members of other ranks receiving a broadcast that broke fail with it (the job restarts).
+The weight group and its broadcasts are the sender's (``sync.py``): a rollout rank whose
+engine restarted gets the weights again there, the same version when they have not moved
+since (``send_lost_weights``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 import time
 from pathlib import Path
@@ -59,11 +52,10 @@ from hpc_asyncppo.trainer.policy import Policy, peak_memory_mb, ppo_update
 from hpc_asyncppo.trainer.progress import Progress
 from hpc_asyncppo.trainer.queue import SpillQueue
 from hpc_asyncppo.trainer.steplog import StepLog
+from hpc_asyncppo.trainer.sync import WeightSender
 from hpc_asyncppo.trainer.validation import ValidationLog
 from hpc_asyncppo.transport.samples import Control, SampleReceiver
-from hpc_asyncppo.transport.waits import PeerTimeout, poll_until
-from hpc_asyncppo.transport.weight_group import WeightGroupSpec, open_weight_group
-from hpc_asyncppo.transport.weights import Background, WeightBroadcaster
+from hpc_asyncppo.transport.waits import poll_until
 
 log = logging.getLogger(__name__)
 
@@ -73,23 +65,23 @@ class TrainerLeader:
 
     ``intake`` (the queue, credits, data order: ``trainer/intake.py``), ``progress`` (the
     counters: ``trainer/progress.py``), the policy (its shard of the model and optimizer),
-    the followers' channel (``trainer/followers.py``) and the weight group's sender. Memory
-    beyond the policy's shard: the queue's in-memory part (``buffer.memory_limit_mb``), one
-    batch, and during a sync one bucket (a full copy of the weights in ``model.dtype``
-    with in-flight weight updates, until its broadcast completes)."""
+    the followers' channel (``trainer/followers.py``) and the weight group's sender
+    (``trainer/sync.py``). Memory beyond the policy's shard: the queue's in-memory part
+    (``buffer.memory_limit_mb``), one batch, and during a sync one bucket (a full copy of
+    the weights in ``model.dtype`` with in-flight weight updates, until its broadcast
+    completes)."""
 
     def __init__(
         self, cfg: Config, topo: Topology, run_dir: Path, policy: Policy, checkpoint: Path | None
     ):
         self.cfg, self.topo, self.run_dir, self.policy = cfg, topo, run_dir, policy
         self.receiver = SampleReceiver(topo.inter)
-        # The weight group meets once every member has joined (vLLM workers once their
-        # engine has started): the leader joins on a side thread and waits at its first sync.
-        self.weights_spec = topo.weights
-        self.joining = self.join_weight_group(self.weights_spec)
-        self.broadcaster: WeightBroadcaster | None = None
-        self.weights_lost = False  # a rank's engine lost its weights: send them again
         self.followers = Followers(topo.local, cfg.timeouts.rank_wait_s)
+        # joins the weight group at once, on a side thread (its first sync waits for it)
+        self.sender = WeightSender(
+            cfg, topo, run_dir, policy, self.receiver, self.followers,
+            receive=lambda: self.intake.receive(),
+        )  # fmt: skip
         self.progress = Progress()
         num_prompts = len(usable_prompts(load_task(cfg.data).prompts(), run_dir))
         self.intake = Intake(
@@ -101,17 +93,6 @@ class TrainerLeader:
             topo.rollout_ranks,
             on_group=lambda group: self.steplog.note_rollout(group),
         )
-        self.last_sync_s = 0.0
-        # bytes of each sync: the model in model.dtype, or with LoRA the adapters (fp32)
-        self.sync_bytes = sum(
-            math.prod(shape) * dtype.itemsize for _, shape, dtype in self.policy.weight_specs()
-        )
-        # in-flight weight updates: the broadcast on its side thread, once a first went out
-        self.inflight_updates = (
-            cfg.async_training.inflight_weight_update and cfg.async_training.mode != "sync"
-        )
-        self.sending: Background | None = None
-        self.version_sent = False
         self.checkpoint_time: float | None = None  # when the resumed checkpoint was committed
         if checkpoint is not None:
             self.restore(checkpoint)
@@ -215,8 +196,8 @@ class TrainerLeader:
         leader = {
             "queue/groups": len(self.intake),
             "queue/spilled_groups": self.intake.queue.spilled_count,
-            "sync/time_s": self.last_sync_s,
-            "sync/bytes": self.sync_bytes,
+            "sync/time_s": self.sender.last_sync_s,
+            "sync/bytes": self.sender.sync_bytes,
             "memory/trainer_state_mb": self.policy.state_bytes() / 2**20,
             "memory/trainer_peak_mb": peak_memory_mb(self.topo.device),
         }
@@ -228,140 +209,31 @@ class TrainerLeader:
         """While the leader waits for samples: validation results, and weights for a rank
         whose engine restarted (with one rollout rank, no sample comes before them)."""
         self.validation.poll()
-        if self.weights_lost or self.receiver.rejoins:
+        if self.sender.lost:
             self.send_lost_weights()
             heartbeat.doing(f"waiting for samples for step {self.step + 1}")
 
     def sync_weights(self, version: int, again: bool = False) -> None:
-        """Broadcast the weights as ``version``, gathered from the shards one tensor at a time
-        (the followers gather in step).
-
-        With in-flight weight updates (after the first sync) the gathered tensors are handed
-        to a side thread that broadcasts them while this rank trains on: it is blocked only
-        for the gathering. Memory: one full copy of the weights in ``model.dtype`` on the
-        sync device, until the broadcast completes (the next sync, a checkpoint or the end
-        waits for it). Otherwise each tensor is packed into the next bucket while the last
-        is on the wire. ``last_sync_s`` is the last completed broadcast's time, to its last
-        bucket's completion.
-
-        ``again``: the weights of ``version`` once more (a rank's engine restarted), its
-        counters untouched. A broadcast that breaks on a dead engine is sent again once
-        every rank has met anew (``regroup``)."""
+        """Broadcast the weights as ``version`` (``WeightSender.send``) and count it as the
+        synced version; ``again``: the weights of ``version`` once more (a rank's engine
+        restarted), the counters untouched."""
         heartbeat.doing(f"sending the weights as version {version}")
         start = time.time()
-        self.finish_sync()  # one broadcast on the wire at a time
-        if self.receiver.rejoins:  # a rank's engine restarts: meet anew before sending
-            self.regroup()
-        try:
-            self.send_weights(version)
-        except RuntimeError as broken:
-            self.regroup(broken)
-            self.send_weights(version)
-        self.weights_lost = False
+        self.sender.send(version, self.step)
         if not again:
             self.progress.version, self.progress.synced_step = version, self.step
             self.intake.synced()
         self.timeline.record("sync", start, time.time(), version=version)
 
-    def send_weights(self, version: int) -> None:
-        """Announce ``version`` and broadcast the weights, gathered from the shards one
-        tensor at a time (the followers gather in step)."""
-        broadcaster = self.weight_broadcaster()
-        self.followers.order(Order.SYNC, self.step)
-        digest = runlog.WeightDigest() if self.cfg.trainer.record_weight_digests else None
-        if self.inflight_updates and self.version_sent:
-            named = list(self.policy.named_weights(owned=True))
-            if digest is not None:
-                for name, tensor in named:
-                    digest.add(name, tensor)
-            # announced only now that it is ready to go: a rollout rank pauses its engine
-            # (vLLM) for the broadcast itself, not for the gathering
-            self.receiver.broadcast_control(Control.SYNC, version)
-            self.sending = broadcaster.broadcast_in_background(version, named)
-        else:
-            self.receiver.broadcast_control(Control.SYNC, version)
-            named = self.policy.named_weights()  # the followers gather each tensor in step
-            try:
-                self.last_sync_s = broadcaster.broadcast(
-                    version,
-                    named,
-                    specs=self.policy.weight_specs(),
-                    on_tensor=digest.add if digest else None,
-                )
-            except RuntimeError:
-                for _ in named:  # broken: the followers' gathers still finish
-                    pass
-                raise
-        self.version_sent = True
-        if digest is not None:
-            runlog.record_weight_digest(
-                self.run_dir, self.topo.world_rank, version, digest.hexdigest()
-            )
-
-    def join_weight_group(self, spec: WeightGroupSpec) -> Background:
-        """The weight group meets once every member has joined (vLLM workers once their
-        engine has started): the leader joins on a side thread and waits at its next sync."""
-        return Background(
-            lambda: open_weight_group(spec, 0, self.topo.weights_store),
-            f"the weight group's rendezvous (generation {spec.generation})",
-        )
-
-    def regroup(self, broken: Exception | None = None) -> None:
-        """Every rank meets in the weight group's next generation (REGROUP): a rank's
-        engine restarted (REJOIN), and its members of the group died with it. ``broken``: a
-        broadcast that failed; it stands unless a REJOIN comes within rank_wait_s."""
-        if broken is not None and not self.receiver.rejoins:
-            heartbeat.doing("waiting for a rollout rank's REJOIN after a broken weight sync")
-            try:
-                poll_until(
-                    lambda: (self.intake.receive(), bool(self.receiver.rejoins))[1],
-                    self.cfg.timeouts.rank_wait_s,
-                    "a rollout rank to say its engine restarts (REJOIN)",
-                )
-            except PeerTimeout:
-                raise broken from None
-        ranks = sorted(self.receiver.rejoins)
-        self.receiver.rejoins.clear()
-        self.broadcaster = None  # the old group closes: a member still in it fails
-        self.weights_spec = self.weights_spec.regrouped()
-        generation = self.weights_spec.generation
-        log.warning(
-            "rollout ranks %s restart their engines: every rank meets in the weight group's "
-            "generation %d, and the weights go out again",
-            ranks,
-            generation,
-        )
-        self.receiver.broadcast_control(Control.REGROUP, generation)
-        self.joining = self.join_weight_group(self.weights_spec)
-        self.weights_lost = True
-
     def send_lost_weights(self) -> None:
         """A rank's engine restarted (REJOIN) or a regroup followed a broken broadcast: the
         weights go out again, the same version unless they moved since."""
-        if not (self.weights_lost or self.receiver.rejoins):
+        if not self.sender.lost:
             return
         if self.progress.unsynced:
             self.sync_weights(self.version + 1)
         else:
             self.sync_weights(self.version, again=True)
-
-    def weight_broadcaster(self) -> WeightBroadcaster:
-        """The sender of the weight group, once the group has met (the first sync waits)."""
-        if self.broadcaster is None:
-            group = self.joining.result(self.cfg.timeouts.weight_sync_s + 30)
-            device = self.topo.weights.bucket_device(self.topo.device)
-            bucket_mb = self.cfg.trainer.weight_sync_bucket_mb
-            self.broadcaster = WeightBroadcaster(group, 0, bucket_mb, device)
-        return self.broadcaster
-
-    def finish_sync(self) -> None:
-        """Wait for a broadcast still on the wire (in-flight weight updates)."""
-        if self.sending is not None:
-            sending, self.sending = self.sending, None
-            try:
-                self.last_sync_s = float(sending.result(self.cfg.timeouts.weight_sync_s))
-            except RuntimeError as broken:  # on a dead engine: sent again after a regroup
-                self.regroup(broken)
 
     # --- checkpoints (the protocol: checkpoint/protocol.py) -------------------------------
     def checkpoint(self, reason: str) -> None:
@@ -465,7 +337,7 @@ class TrainerLeader:
 
     def shutdown(self) -> None:
         """Stop the rollout ranks, drain what they still send (recorded as dropped), stop followers."""
-        self.finish_sync()
+        self.sender.finish()
         self.receiver.broadcast_control(Control.STOP)
         self.followers.order(Order.STOP, self.step)
 

@@ -17,7 +17,7 @@ code. Every collective on it, the rendezvous included, is bounded by ``timeout_s
 
 A member that dies (a vLLM engine restarted inside its rollout rank) breaks the group: the
 members meet again in a new one on the same store, its ``generation`` one higher
-(``WeightGroupSpec.regrouped``; the trainer leader orders it, ``trainer/trainer.py``).
+(``WeightGroupSpec.regrouped``; the trainer leader orders it, ``trainer/sync.py``).
 """
 
 from __future__ import annotations
