@@ -697,6 +697,18 @@ def validate(cfg: Config, rollout_ranks: int = 1, train_ranks: int = 1) -> None:
             raise ConfigError(str(exc)) from None
     if cfg.rollout.engine == "hf" and cfg.rollout.tensor_parallel_size > 1:
         raise ConfigError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
+    targets = {t.strip() for t in cfg.actor.target_modules.split(",")}
+    if cfg.actor.lora_rank > 0 and "lm_head" in targets and cfg.model.path:
+        from hpc_asyncppo.memory import ModelShape
+
+        shape = ModelShape.of(cfg.model.path)
+        if shape is not None and shape.tied:
+            raise ConfigError(
+                f"actor.target_modules={cfg.actor.target_modules}: {cfg.model.path} ties its LM "
+                "head to the input embeddings (tie_word_embeddings), so the rollout engines have "
+                "no head of their own to merge an lm_head adapter into: drop lm_head from "
+                "actor.target_modules"
+            )
     tiny_head_dim = cfg.model.tiny.hidden_size // cfg.model.tiny.num_heads
     if cfg.rollout.engine == "vllm" and not cfg.model.path and tiny_head_dim not in VLLM_HEAD_DIMS:
         raise ConfigError(

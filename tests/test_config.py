@@ -192,6 +192,28 @@ def test_engine_specific_settings_are_checked(overrides, expected):
     )
 
 
+def test_a_lora_on_a_tied_lm_head_is_refused(tmp_path):
+    """Qwen2.5-0.5B ties its LM head to the embeddings: an lm_head adapter would have no head
+    of its own to merge into on the rollout side, so the config says so before any rank."""
+    import json
+
+    for tied in (True, False):
+        model = tmp_path / f"tied_{tied}"
+        model.mkdir()
+        config = {"vocab_size": 64, "hidden_size": 8, "num_hidden_layers": 1,
+                  "intermediate_size": 16, "num_attention_heads": 2,
+                  "tie_word_embeddings": tied}  # fmt: skip
+        (model / "config.json").write_text(json.dumps(config))
+        lora = [f"model.path={model}", "actor.lora_rank=8"]
+        load_config(overrides=[*lora, "actor.target_modules=all-linear"])
+        head = [*lora, "actor.target_modules=all-linear,lm_head"]
+        if tied:
+            with pytest.raises(ConfigError, match="drop lm_head from actor.target_modules"):
+                load_config(overrides=head)
+        else:
+            load_config(overrides=head)
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
