@@ -34,6 +34,11 @@ class ConfigError(ValueError):
     """A config key or value is wrong; the message is one line meant for the user."""
 
 
+def lora_targets(target_modules: str) -> list[str]:
+    """``actor.target_modules`` as its names, in order (``all-linear`` kept as a name)."""
+    return [t.strip() for t in target_modules.split(",") if t.strip()]
+
+
 @dataclass
 class TinyModelConfig:
     hidden_size: int = 64  # width of the tiny default Llama built when model.path is empty
@@ -697,11 +702,10 @@ def validate(cfg: Config, rollout_ranks: int = 1, train_ranks: int = 1) -> None:
             raise ConfigError(str(exc)) from None
     if cfg.rollout.engine == "hf" and cfg.rollout.tensor_parallel_size > 1:
         raise ConfigError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
-    targets = {t.strip() for t in cfg.actor.target_modules.split(",")}
-    if cfg.actor.lora_rank > 0 and "lm_head" in targets and cfg.model.path:
+    if cfg.actor.lora_rank > 0 and "lm_head" in lora_targets(cfg.actor.target_modules):
         from hpc_asyncppo.memory import ModelShape
 
-        shape = ModelShape.of(cfg.model.path)
+        shape = ModelShape.of(cfg.model.path) if cfg.model.path else None
         if shape is not None and shape.tied:
             raise ConfigError(
                 f"actor.target_modules={cfg.actor.target_modules}: {cfg.model.path} ties its LM "

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hpc_asyncppo.config import lora_targets
+
 if TYPE_CHECKING:
     from hpc_asyncppo.config import Config
 
@@ -100,7 +102,7 @@ class ModelShape:
         h, i = self.hidden, self.intermediate
         matrices = {"q_proj": h + h, "k_proj": h + kv, "v_proj": h + kv, "o_proj": h + h,
                     "gate_proj": h + i, "up_proj": h + i, "down_proj": i + h}  # fmt: skip
-        names = {t.strip() for t in targets.split(",")}
+        names = set(lora_targets(targets))
         if "all-linear" in names:
             names |= set(matrices)
         per_layer = sum(rank * sides for name, sides in matrices.items() if name in names)

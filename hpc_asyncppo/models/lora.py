@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hpc_asyncppo.config import lora_targets
+
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 
 
@@ -38,7 +40,7 @@ def target_names(lm: nn.Module, targets: str) -> list[str]:
     """The module names (peft matches their ends) that ``targets`` means in ``lm``: names
     separated by commas, where ``all-linear`` stands for every linear layer but the LM head
     (peft's meaning); ``all-linear,lm_head`` adds the head."""
-    names = [t.strip() for t in targets.split(",") if t.strip()]
+    names = lora_targets(targets)
     if "all-linear" in names:
         head = lm.get_output_embeddings()
         linear = {

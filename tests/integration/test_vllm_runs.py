@@ -217,8 +217,8 @@ def test_partial_rollout_stop_signals_and_dead_engines_lose_nothing(tmp_path):
     # go on past the first attempt's lines
     lines = [len(read_jsonl(run_dir / "weights" / f"rank{rank}.jsonl")) for rank in (0, 1, 2)]
     resumed_at = len(read_jsonl(run_dir / "metrics.jsonl"))
-    logs = [(run_dir / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1)]
-    assert len(re.findall(r"; restarting the engine \(restart", logs[0])) == 1, logs[0]
+    first_logs = [(run_dir / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1)]
+    assert len(re.findall(r"; restarting the engine \(restart", first_logs[0])) == 1, first_logs[0]
     assert read_jsonl(run_dir / "goodput.jsonl")[-1]["engine_restarts"] == 1
 
     proc = launch(run_dir, "--resume", str(run_dir), "--rollout-ranks", "2", "--train-ranks",
@@ -243,7 +243,7 @@ def test_partial_rollout_stop_signals_and_dead_engines_lose_nothing(tmp_path):
     assert metrics[-1]["step"] == steps
     logs = [
         (run_dir / "logs" / f"rank{rank}.log").read_text()[len(before) :]
-        for rank, before in zip((0, 1), logs, strict=True)
+        for rank, before in zip((0, 1), first_logs, strict=True)
     ]
     named = [len(re.findall(r"; restarting the engine \(restart", log)) for log in logs]
     restarts = metrics[-1]["rollout/engine_restarts"]
