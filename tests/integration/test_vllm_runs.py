@@ -147,21 +147,17 @@ def test_partial_rollout_stop_signals_and_dead_engines_lose_nothing(tmp_path):
     updates, in two attempts:
 
     1. One rollout rank at tensor_parallel_size=2 (two vLLM workers in the weight group)
-       and two trainer ranks. Its engine core is SIGKILLed while it generates: the rank
-       starts a new engine (core and two workers), the weight group meets anew, the
-       weights come again and the groups in flight continue from their tokens. Then, as
-       under Slurm, the stop signal reaches every process of the job, vLLM's engine
-       processes included: they ignore USR2 and SIGTERM; the rollout rank cuts its groups
-       mid-response into the checkpoint and shuts vLLM down itself.
+       and two trainer ranks. As under Slurm, the stop signal reaches every process of the
+       job, vLLM's engine processes included: they ignore USR2 and SIGTERM; the rollout
+       rank cuts its groups mid-response into the checkpoint and shuts vLLM down itself.
     2. Resumed on two rollout ranks at tensor_parallel_size=1 (workers of two ranks in the
        weight group; old rank 0's cut groups continue on rank 0) and one trainer rank. Rank 0's
-       engine core is SIGKILLed again, later stopped (SIGSTOP) until
-       ``rollout.engine_stall_s``: each time the rank restarts its engine in place, the
-       leader has the weight group meet anew (rank 1's worker rejoins it too) and sends the
-       weights again, and the groups in flight continue from their tokens. (When the engine
-       dies mid-broadcast, rank 1, receiving that broadcast, waits engine_stall_s and
-       restarts its engine as well: a rank's receive cannot be woken sooner.) The attempt
-       finishes without a job restart.
+       engine core is SIGKILLed, later stopped (SIGSTOP) until ``rollout.engine_stall_s``:
+       each time the rank restarts its engine in place, the leader has the weight group meet
+       anew (rank 1's worker rejoins it too) and sends the weights again, and the groups in
+       flight continue from their tokens. (When the engine dies mid-broadcast, rank 1,
+       receiving that broadcast, waits engine_stall_s and restarts its engine as well: a
+       rank's receive cannot be woken sooner.) The attempt finishes without a job restart.
 
     Over both: the cut groups continued from their tokens, groups cut by syncs finished
     under newer weights (versions that changed mid-response), every sample was trained once
@@ -169,8 +165,8 @@ def test_partial_rollout_stop_signals_and_dead_engines_lose_nothing(tmp_path):
     version it holds (worker-side digests; a rank whose engine was down while the leader
     published a version gets the newer one when it rejoins), and the restarts are in the
     logs, the metrics and goodput.jsonl. One launch for both stories: each vLLM launch
-    costs an engine start-up per rollout rank. What the faults cost: BENCHMARKS.md "Engine
-    restarts in place"."""
+    costs an engine start-up per rollout rank. The same with one rollout rank and three
+    faults (two SIGKILLs): BENCHMARKS.md "Engine restarts in place"."""
     run_dir = tmp_path / "run"
     # The stop and the faults must find groups mid-response: a rank waiting for credit has
     # nothing to cut. So the rollout is the bottleneck and never waits: a step's 8 samples
@@ -190,11 +186,9 @@ def test_partial_rollout_stop_signals_and_dead_engines_lose_nothing(tmp_path):
         run_dir, "--run-dir", str(run_dir), "--rollout-ranks", "1", "--train-ranks", "2", *args
     )
     wait_for_steps(proc, run_dir, 2)
-    os.kill(engine_core(run_dir, 0), signal.SIGKILL)  # while it generates
-    wait_for_restarts(proc, run_dir, 1, 1)
     pids = descendants_of(run_dir, 0)
     engine = engine_processes(pids)
-    assert len(engine) == 3, engine  # the new engine core and its two workers
+    assert len(engine) == 3, engine  # the engine core and its two workers
     for pid in engine:
         assert {signal.SIGUSR2, signal.SIGTERM} <= ignored_signals(pid), pid
     for pid in pids:  # Slurm signals every process; the launcher forwards USR2 to the ranks
@@ -217,9 +211,6 @@ def test_partial_rollout_stop_signals_and_dead_engines_lose_nothing(tmp_path):
     # go on past the first attempt's lines
     lines = [len(read_jsonl(run_dir / "weights" / f"rank{rank}.jsonl")) for rank in (0, 1, 2)]
     resumed_at = len(read_jsonl(run_dir / "metrics.jsonl"))
-    first_logs = [(run_dir / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1)]
-    assert len(re.findall(r"; restarting the engine \(restart", first_logs[0])) == 1, first_logs[0]
-    assert read_jsonl(run_dir / "goodput.jsonl")[-1]["engine_restarts"] == 1
 
     proc = launch(run_dir, "--resume", str(run_dir), "--rollout-ranks", "2", "--train-ranks",
                   "1", "rollout.tensor_parallel_size=1", "rollout.engine_stall_s=5",
@@ -236,15 +227,11 @@ def test_partial_rollout_stop_signals_and_dead_engines_lose_nothing(tmp_path):
     spanning = [r for r in trained if r["param_version_end"] > r["param_version_start"]]
     assert spanning, "no group was cut by a sync and continued under newer weights"
 
-    # the resumed attempt's restarts: each of its 2 faults restarts rank 0's engine, and
-    # rank 1's too when it came during a broadcast; every one named (in the attempt's part
-    # of the logs), counted in the metrics and goodput.jsonl
+    # the restarts: each of the 2 faults restarts rank 0's engine, and rank 1's too when it
+    # came during a broadcast; every one named, counted in the metrics and goodput.jsonl
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert metrics[-1]["step"] == steps
-    logs = [
-        (run_dir / "logs" / f"rank{rank}.log").read_text()[len(before) :]
-        for rank, before in zip((0, 1), first_logs, strict=True)
-    ]
+    logs = [(run_dir / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1)]
     named = [len(re.findall(r"; restarting the engine \(restart", log)) for log in logs]
     restarts = metrics[-1]["rollout/engine_restarts"]
     assert named[0] >= 2 and sum(named) <= 4 and restarts == sum(named), (named, restarts)
@@ -254,11 +241,12 @@ def test_partial_rollout_stop_signals_and_dead_engines_lose_nothing(tmp_path):
     assert all(a["tokens_regenerated"] == 0 for a in read_jsonl(run_dir / "goodput.jsonl"))
     # the stop finds rank 0 in a decoding step or in a weight update's RPC
     assert re.search(r"pid \d+\) [^\n]* for rollout.engine_stall_s=5 s with \d+ requests", logs[0])
-    # the groups in flight at each fault of both attempts continue from their tokens (the
-    # rollout never waits for credit here, and a sync cuts its groups without ending them)
-    everything = "".join((run_dir / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1))
-    kept = [int(t) for t in re.findall(r"groups in flight \((\d+) tokens\) continue", everything)]
-    assert len(kept) == 1 + restarts and sum(kept) > 0, kept
+    # the groups in flight at each fault continue from their tokens (the rollout never
+    # waits for credit here, and a sync cuts its groups without ending them)
+    kept = [
+        int(t) for t in re.findall(r"groups in flight \((\d+) tokens\) continue", "".join(logs))
+    ]
+    assert len(kept) == restarts and sum(kept) > 0, kept
 
     # the resumed attempt: its leader is rank 2 again; each rollout rank holds the leader's
     # weights at every version it holds, and ends on the last one
