@@ -20,6 +20,7 @@ import pytest
 
 from hpc_asyncppo import report, status
 from hpc_asyncppo import timeline as tl
+from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.paths import METRICS, REPORT, TRAINED
 from hpc_asyncppo.runlog import read_jsonl
 from tests.conftest import submit_local
@@ -35,6 +36,8 @@ IDLE_TOL = 0.02
 # at most 0.027 s apart over 200 steps there, 0.1 s allowed (stricter than IDLE_TOL
 # once 5 s have passed).
 IDLE_TOL_S = 0.1
+# time.monotonic() and time.time() read a few milliseconds apart (the same cause as IDLE_TOL)
+CLOCKS_TOL_S = 0.02
 KILLED_TOTAL_STEPS = 60  # killed long before the end (a kill comes 2 s in: 7-20 steps)
 
 
@@ -141,6 +144,26 @@ def check_idle_ratios(run_dir: Path) -> None:
         assert min(map(abs, waited)) <= IDLE_TOL_S, row["step"]
 
 
+def check_checkpoint_times(run_dir: Path) -> None:
+    """Each checkpoint's elapsed and waiting seconds, which a resume carries on from, are
+    the timeline's as its "checkpoint" span began (not once its parts were written: the
+    resumed attempt's idle ratio would be off by the writing time, 0.028 in one CI run)."""
+    data = report.load(run_dir)
+    (leader,) = data.timeline[data.leader]
+    start = leader.first_sync_end()
+    spans = [
+        s
+        for s in leader.of("checkpoint")
+        if (protocol.step_dir(run_dir, s["step"]) / protocol.MANIFEST).exists()
+    ]
+    assert spans
+    for span in spans:
+        manifest = protocol.read_manifest(protocol.step_dir(run_dir, span["step"]))
+        waited = tl.busy_seconds(leader.spans, "wait", start, span["start"])
+        assert manifest["elapsed_s"] == pytest.approx(span["start"] - start, abs=CLOCKS_TOL_S)
+        assert manifest["idle_s"] == pytest.approx(waited, abs=CLOCKS_TOL_S)
+
+
 def check_report_agrees_with_metrics(run_dir: Path, capsys) -> report.Summary:
     assert report.main([str(run_dir)]) == 0
     out = capsys.readouterr().out
@@ -221,6 +244,7 @@ def test_killed_run_report_and_status(killed_run: Path, capsys) -> None:
     assert summary.state == "killed" and 7 <= summary.steps < KILLED_TOTAL_STEPS
     assert summary.checkpoint is not None and summary.checkpoint.step >= 5
     check_idle_ratios(killed_run)
+    check_checkpoint_times(killed_run)
     assert status.main([str(killed_run)]) == 0
     assert "killed" in capsys.readouterr().out
 

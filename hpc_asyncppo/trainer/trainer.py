@@ -249,6 +249,10 @@ class TrainerLeader:
         if (folder / protocol.MANIFEST).exists():
             return
         start = time.time()
+        # The counters as the step left them: a resume carries on its elapsed and waiting
+        # time from here, as the timeline's "checkpoint" span (from ``start``) says, not
+        # from the end of the parts' writing, which a resume does not keep.
+        counters = self.progress.state_dict()
         shutil.rmtree(folder, ignore_errors=True)  # parts of an attempt killed before its commit
         self.receiver.broadcast_control(Control.CHECKPOINT, self.step)
         self.followers.order(Order.CHECKPOINT, self.step)
@@ -264,7 +268,7 @@ class TrainerLeader:
             leader = protocol.write_part(folder, protocol.LEADER_PART, self.intake.state_dict())
             parts.append(leader)
             meta = {
-                **self.progress.state_dict(),
+                **counters,
                 "groups_trained": self.intake.groups_trained,
                 "rollout_ranks": self.topo.rollout_ranks,
                 "train_ranks": self.topo.train_ranks,
