@@ -121,16 +121,23 @@ def check_idle_ratios(run_dir: Path) -> None:
     rows = [r for r in data.rows if leader[-1].started <= r["time/unix"] <= covered_until]
     assert rows
     received = {s["step"]: s["end"] for s in leader[-1].of("wait")}
+    logged = 0.0  # what a step logs before any group of this attempt came in
     for row in rows:
         assert tl.trainer_idle_ratio(leader, row["time/unix"]) == pytest.approx(
             row["trainer/idle_ratio"], abs=IDLE_TOL
         ), row["step"]
         # The logged rollout ratio is the one its latest received group carried, stamped as
-        # its generation ended. The leader takes groups in only while it waits for a step's
-        # samples, so that group's generation ended before this step's wait did, and after
-        # the previous step's (or it is the last one that ended before it: none arrived).
-        # Early in an attempt the ratio moves fast from one group to the next, so every
-        # generation of the window is a candidate, not just the last ones.
+        # its generation ended. Unchanged, no group came in for this step (the leader had
+        # enough queued): nothing new to check. (Checked anyway, such a step once failed:
+        # the group generated last before its wait was still on its way, and came in a
+        # step later.) Else a group came in while the leader waited for this step's
+        # samples, or drained them for the checkpoint before: its generation ended before
+        # this step's wait did, and after the previous step's (or it is the last one that
+        # ended before it, on its way meanwhile). Early in an attempt the ratio moves fast
+        # from one group to the next, so every generation of the window is a candidate.
+        if row["rollouter/idle_ratio"] == logged:
+            continue
+        logged = row["rollouter/idle_ratio"]
         until = received[row["step"]]
         since = received.get(row["step"] - 1, leader[-1].started)
         ends = [s["end"] for s in rollout.of("generate") if s["end"] <= until]
@@ -138,9 +145,7 @@ def check_idle_ratios(run_dir: Path) -> None:
             continue
         window = [t for t in ends if t > since] + [t for t in ends if t <= since][-1:]
         start = rollout.first_sync_end()
-        waited = [
-            (tl.idle_ratio(rollout, t) - row["rollouter/idle_ratio"]) * (t - start) for t in window
-        ]
+        waited = [(tl.idle_ratio(rollout, t) - logged) * (t - start) for t in window]
         assert min(map(abs, waited)) <= IDLE_TOL_S, row["step"]
 
 
