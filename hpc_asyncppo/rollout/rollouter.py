@@ -122,6 +122,9 @@ class Rollouter:
             cfg, self.rank, topo.rollout_ranks, self.engine, self.sender, self.turns
         )
         self.version = -1  # no weights from the trainer yet
+        # the version of the leader's last SYNC, loaded or not (void: its engine had died):
+        # the weights a VALIDATE after it asks for
+        self.announced = -1
         self.last_pause_s = 0.0  # the engine's pause for the last sync
         # in-flight weight updates: the sync being received on a side thread, its announced
         # version, and the staging copy it is received into (allocated once)
@@ -199,7 +202,7 @@ class Rollouter:
                 self.load_pending_weights()
                 if self.has_weights:
                     self.start_granted_groups()
-                    self.validator.top_up()
+                    self.validator.top_up(self.version)
                 if not self.in_flight and not self.validator.in_flight:
                     heartbeat.doing(f"waiting for credits (weights version {self.version})")
                     self.wait_a_moment()
@@ -238,6 +241,7 @@ class Rollouter:
         if kind == Control.CREDIT:  # value: the draw naming the prompt
             self.granted.append(value)
         elif kind == Control.SYNC and self.out_of_group:
+            self.announced = value
             log.warning(
                 "rank %d: the sync of version %d is void (announced before the leader "
                 "knew its engine had died): the weights come again after REGROUP",
@@ -251,6 +255,7 @@ class Rollouter:
             self.engine.join_weights(self.weights_spec, self.first_member)
             self.out_of_group = False
         elif kind == Control.SYNC:
+            self.announced = value
             heartbeat.doing(f"receiving the weights of version {value}")
             if self.inflight_updates and self.has_weights:
                 self.load_pending_weights(wait=True)  # one sync at a time
@@ -267,7 +272,7 @@ class Rollouter:
             self.write_checkpoint_part(value)
         elif kind == Control.VALIDATE:  # value: the trainer step validated
             self.load_pending_weights(wait=True)  # under the version just synced
-            self.validator.request(value, self.version)
+            self.validator.request(value, self.announced)
         elif kind == Control.STOP:
             return True
         return False
@@ -354,7 +359,11 @@ class Rollouter:
         """Run the validations asked for to their end; none after a stop signal (the
         leader knows and does not wait for them)."""
         if not stop_requested():
-            self.validator.finish(self.step_and_send, stop=lambda: stop_requested() is not None)
+            self.validator.finish(
+                self.step_and_send,
+                stop=lambda: stop_requested() is not None,
+                version=self.version if self.has_weights else None,
+            )
 
     def stopping(self) -> bool:
         """After a stop signal: generate nothing more, wait for the leader's checkpoint and

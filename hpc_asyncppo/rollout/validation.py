@@ -10,8 +10,12 @@ with the task's reward and sent as one small message (``result_message``): they 
 reach the sample sender, the credits or the sent-groups record, so the trainer's queue and
 its staleness audit know nothing of them.
 
-Every response of one validation comes from one weights version: a weight sync (or the
-stop) that arrives while a validation is under way waits for it to end (``finish``).
+Every response of one validation comes from one weights version, the one the leader
+announced before asking: a weight sync (or the stop) that arrives while a validation is
+under way waits for it to end (``finish``). An engine that died and restarted meanwhile
+runs the validation once those weights are back; when they are not coming back (the leader
+trained past them, or the run ended first) the validation is void: the rank says so
+(``void`` in the result's meta) instead of scoring other weights under their version.
 """
 
 from __future__ import annotations
@@ -39,10 +43,11 @@ VAL_KEY = "val"  # engine keys of val groups: ("val", job id, position in this r
 class ValidationJob:
     id: int
     step: int
-    version: int
+    version: int  # the weights it validates
     pending: deque[int]  # positions in the share not yet submitted
     rewards: dict[int, np.ndarray] = field(default_factory=dict)  # position -> (val_n,)
     in_flight: int = 0
+    void: bool = False  # its weights are gone: nothing is scored, the leader is told
 
     @property
     def done(self) -> bool:
@@ -56,16 +61,20 @@ def result_message(
     prompts: list[Prompt],
     rewards: np.ndarray,
     skipped: int,
+    void: bool = False,
 ) -> np.ndarray:
     """One rank's validation result: ``rewards`` (P, val_n) of its ``prompts`` in order, their
-    indices in data.val and their data_source (as indices into ``meta["sources"]``)."""
+    indices in data.val and their data_source (as indices into ``meta["sources"]``).
+    ``void``: the rank could not validate those weights (no prompts, no rewards)."""
     sources = sorted({p.data_source for p in prompts})
     arrays = {
-        "rewards": rewards.astype(np.float32).reshape(len(prompts), -1),
+        "rewards": rewards.astype(np.float32).reshape(len(prompts), rewards.shape[-1]),
         "prompt_index": np.array([p.index for p in prompts], dtype=np.int32),
         "source": np.array([sources.index(p.data_source) for p in prompts], dtype=np.int32),
     }
     meta = {"step": step, "version": version, "rank": rank, "sources": sources, "skipped": skipped}
+    if void:
+        meta["void"] = True
     return pack_arrays(arrays, meta)
 
 
@@ -124,11 +133,18 @@ class Validator:
     def owns(key: Hashable) -> bool:
         return isinstance(key, tuple) and len(key) == 3 and key[0] == VAL_KEY
 
-    def top_up(self) -> None:
-        """Submit val groups, oldest validation first, up to prompts_per_generate in flight."""
+    def top_up(self, version: int) -> None:
+        """Submit val groups of the validations of ``version`` (the weights the engine
+        holds), oldest first, up to prompts_per_generate in flight. A validation of older
+        weights can no longer run (its engine restarted and got newer ones): void."""
+        for job in list(self.jobs):
+            if job.version < version:
+                self.void(
+                    job, f"the weights of v{job.version} are gone (the engine has v{version})"
+                )
         room = self.cfg.rollout.prompts_per_generate - self.in_flight
         for job in self.jobs:
-            while room > 0 and job.pending:
+            while room > 0 and job.pending and job.version == version:
                 position = job.pending.popleft()
                 key = (VAL_KEY, job.id, position)
                 rollout = self.cfg.rollout
@@ -140,6 +156,10 @@ class Validator:
         """Score one val group; send the validation's result once its last group is in."""
         _, job_id, position = key
         job = next(j for j in self.jobs if j.id == job_id)
+        if job.void:
+            job.in_flight -= 1
+            self._send_done()
+            return
         prompt = self.prompts[position]
         n = gen.response_ids.shape[0]
         rewards = np.array(
@@ -161,21 +181,49 @@ class Validator:
         """A val group lost with its engine (restarted): it starts again from its prompt."""
         _, job_id, position = key
         job = next(j for j in self.jobs if j.id == job_id)
-        job.pending.appendleft(position)
         job.in_flight -= 1
+        if job.void:
+            self._send_done()
+        else:
+            job.pending.appendleft(position)
 
-    def finish(self, step_engine: Callable[[], None], stop: Callable[[], bool]) -> None:
+    def finish(
+        self, step_engine: Callable[[], None], stop: Callable[[], bool], version: int | None
+    ) -> None:
         """Run every validation asked for to its end (``step_engine``: one engine step whose
         finished groups reach ``finished``, training groups going their own way), unless
-        ``stop()`` turns true first."""
-        while self.jobs and not stop():
-            self.top_up()
+        ``stop()`` turns true first. ``version``: the weights the engine holds, None after
+        a restart until they are back; the validations of other weights are void (no
+        weights come before these end: the next sync, or none after STOP)."""
+        for job in list(self.jobs):
+            if job.version != version:
+                held = "none since its restart" if version is None else f"v{version}"
+                self.void(job, f"the weights of v{job.version} did not come back (it holds {held})")
+        while self.jobs and version is not None and not stop():
+            self.top_up(version)
             step_engine()
+
+    def void(self, job: ValidationJob, why: str) -> None:
+        """``job`` cannot be validated on its weights: nothing more of it runs, and the
+        leader is told once its groups still in flight are back."""
+        if job.void:
+            return
+        log.warning("rank %d: the validation of step %d is void: %s", self.rank, job.step, why)
+        job.void = True
+        job.pending.clear()
+        job.rewards.clear()
+        self._send_done()
 
     def _send_done(self) -> None:
         while self.jobs and self.jobs[0].done:
             job = self.jobs.popleft()
             width = self.cfg.rollout.val_n
+            if job.void:
+                empty = np.zeros((0, width), dtype=np.float32)
+                self.sender.send_validation(
+                    result_message(job.step, job.version, self.rank, [], empty, 0, void=True)
+                )
+                continue
             rewards = np.stack([job.rewards[i] for i in range(len(self.prompts))]) if (
                 self.prompts
             ) else np.zeros((0, width), dtype=np.float32)  # fmt: skip

@@ -340,8 +340,16 @@ class TrainerLeader:
         log.info("exported step %d to %s in %.2fs", self.step, out, time.time() - start)
 
     def shutdown(self) -> None:
-        """Stop the rollout ranks, drain what they still send (recorded as dropped), stop followers."""
+        """Stop the rollout ranks, drain what they still send (recorded as dropped), stop
+        followers. A rank whose engine restarted during the last sync gets those weights
+        again first: a validation of the last step waits for them (none would for weights
+        trained past them, and the checkpoint has the version they would be sent as)."""
         self.sender.finish()
+        if stop_requested() is None and not self.progress.unsynced:
+            self.intake.receive()  # a REJOIN of that sync
+            if self.sender.lost:
+                self.sync_weights(self.version, again=True)
+                self.sender.finish()
         self.receiver.broadcast_control(Control.STOP)
         self.followers.order(Order.STOP, self.step)
 

@@ -7,9 +7,15 @@ version at that step (the newest they have). Training goes on meanwhile; the rol
 ranks' results come back whenever they are done (``ValidationLog.poll``, called wherever the
 leader takes in samples) and are logged as one metrics row of that step with only ``val/``
 keys (``validation_metrics``). A run ends after every validation it asked for is logged.
+
+A rank whose engine restarted may no longer hold the weights it was asked to validate (the
+leader trained past them, or the run ended before they were sent again): its result says
+``void``, and that step has no validation row, with a warning that says why.
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 
@@ -18,6 +24,7 @@ from hpc_asyncppo.config import Config
 from hpc_asyncppo.transport.arrays import unpack_arrays
 from hpc_asyncppo.transport.samples import Control, SampleReceiver
 
+log = logging.getLogger(__name__)
 PASS_REWARD = 1.0  # a response passes when its reward is the full score (rewards in [0, 1])
 
 
@@ -55,6 +62,7 @@ class ValidationLog:
         self.receiver, self.metrics = receiver, metrics
         self.waiting: dict[int, dict[int, tuple[dict, dict]]] = {}  # step -> rank -> result
         self.versions: dict[int, int] = {}  # step -> the version asked for
+        self.void: set[int] = set()  # steps a rank could not validate: not logged
 
     def due(self, step: int, before_train: bool = False) -> bool:
         """Whether to validate after ``step``; ``before_train``: at the start of the loop, at
@@ -79,6 +87,19 @@ class ValidationLog:
         for rank, buf in self.receiver.poll_validation():
             arrays, meta = unpack_arrays(buf)
             step = meta["step"]
+            if step in self.void:  # another rank's share of a validation that is void
+                continue
+            if meta.get("void"):
+                log.warning(
+                    "step %d has no validation row: rollout rank %d lost the weights of v%d "
+                    "with its engine (restarted) before it could validate them",
+                    step,
+                    rank,
+                    meta["version"],
+                )
+                self.void.add(step)
+                del self.waiting[step], self.versions[step]
+                continue
             if meta["version"] != self.versions[step]:
                 raise RuntimeError(
                     f"rollout rank {rank} validated step {step} with weights v{meta['version']}, "

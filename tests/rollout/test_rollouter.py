@@ -22,6 +22,8 @@ from hpc_asyncppo.models.tiny import TinyTokenizer
 from hpc_asyncppo.rollout.engine import EngineDied
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup
 from hpc_asyncppo.rollout.rollouter import Rollouter
+from hpc_asyncppo.rollout.validation import Validator
+from hpc_asyncppo.tasks import next_digit
 from hpc_asyncppo.transport.arrays import unpack_arrays
 from hpc_asyncppo.transport.samples import Control
 from hpc_asyncppo.transport.weight_group import WeightGroupSpec
@@ -40,6 +42,7 @@ class ScriptedLeader:
         self.sent: list = []
         self.states: list[tuple[np.ndarray, dict]] = []
         self.controls: list[tuple[Control, int]] = []  # what the rank told the leader
+        self.validations: list[tuple[dict, dict]] = []  # (arrays, meta) of each result
         self.finished = False
 
     @property
@@ -65,7 +68,7 @@ class ScriptedLeader:
         self.controls.append((kind, value))
 
     def send_validation(self, result) -> None:
-        raise AssertionError("no validation was asked for")
+        self.validations.append(unpack_arrays(result))
 
     def finish(self, timeout_s: float) -> None:
         self.finished = True
@@ -90,6 +93,7 @@ class FakeEngine:
         self.dead = False
         self.joined: list = []  # the weight-group specs it joined
         self.resumed: dict = {}  # key -> the partial group it continued
+        self.submitted: list = []  # (key, the version it held) of each group submitted
 
     @property
     def in_flight(self) -> int:
@@ -113,6 +117,7 @@ class FakeEngine:
         self.alive()
         assert n == N
         self.running[key] = prompt
+        self.submitted.append((key, self.version))
 
     def resume(self, key, partial) -> None:
         self.alive()
@@ -315,6 +320,65 @@ def test_an_engine_dying_past_max_engine_restarts_fails_the_rank(tmp_path, tiny_
     ):
         rank.run()
     assert leader.controls == [(Control.REJOIN, 1)]
+
+
+VAL_PROMPTS = 3  # two engine steps of val groups at prompts_per_generate=2
+
+
+@pytest.mark.parametrize("back", ["same", "newer", "none"])
+def test_a_validation_asked_for_while_the_engine_restarts_is_of_the_announced_weights(
+    tmp_path, tiny_model_dir, back
+):
+    """The engine dies as the weights of v1 arrive (that sync is void), and VALIDATE comes
+    while it restarts. The validation is of v1, the version the leader announced: run on
+    v1 when the leader sends v1 again ("same"); void when the weights come back as v2 (it
+    trained past them, "newer") or never (STOP first, "none"), rather than generated on
+    other weights (the restarted engine's own) and reported as v1 or v0."""
+    engines: list[FakeEngine] = []
+    val = tmp_path / "val.jsonl"
+    next_digit.write_prompts(val, next_digit.held_out_prompts(VAL_PROMPTS))
+    script = [
+        [(Control.SYNC, 0)],
+        lambda: setattr(engines[0], "dead", True),
+        [(Control.SYNC, 1)],  # its loading raises EngineDied: restart, the sync void
+        [(Control.VALIDATE, 2)],
+    ]
+    if back != "none":
+        script += [[(Control.REGROUP, 1)], [(Control.SYNC, {"same": 1, "newer": 2}[back])], []]
+    rank, _, leader = rollouter(
+        tmp_path, tiny_model_dir, script, f"data.val={val}", f"rollout.val_n={N}", engines=engines
+    )
+    rank.run()
+
+    assert leader.controls == [(Control.REJOIN, 1)]
+    ((arrays, meta),) = leader.validations
+    assert meta["step"] == 2 and meta["version"] == 1
+    validated = [(key, v) for e in engines for key, v in e.submitted if Validator.owns(key)]
+    if back == "same":
+        assert "void" not in meta and arrays["rewards"].shape == (VAL_PROMPTS, N)
+        assert len(validated) == VAL_PROMPTS and {v for _, v in validated} == {1}
+        assert all(key in dict(engines[1].submitted) for key, _ in validated)
+    else:
+        assert meta["void"] and arrays["rewards"].shape == (0, N)
+        assert validated == []
+
+
+def test_a_rank_whose_share_of_val_prompts_is_empty_answers_at_once(tmp_path, tiny_model_dir):
+    """More rollout ranks than val prompts: the last rank validates nothing and says so
+    (an empty result; it once failed building it)."""
+    val = tmp_path / "val.jsonl"
+    next_digit.write_prompts(val, next_digit.held_out_prompts(VAL_PROMPTS))
+    cfg = load_config(
+        overrides=[f"model.path={tiny_model_dir}", f"data.val={val}", f"rollout.val_n={N}"]
+    )
+    leader = ScriptedLeader([])
+    validator = Validator(
+        cfg, VAL_PROMPTS, VAL_PROMPTS + 1, FakeEngine(TinyTokenizer(tiny_model_dir)), leader
+    )
+    validator.request(4, 2)
+    ((arrays, meta),) = leader.validations
+    assert meta["step"] == 4 and meta["version"] == 2 and "void" not in meta
+    assert arrays["rewards"].shape == (0, N) and arrays["prompt_index"].size == 0
 
 
 def test_a_multi_turn_group_keeps_its_observations_through_a_checkpoint(tmp_path):

@@ -73,3 +73,51 @@ def test_validation_is_due_every_test_freq_steps_and_before_training():
     assert due(True, test_freq=4) == [0, 4, 8, 12]  # at the start: 0, or a resume's step
     assert due(True, test_freq=4, val_before_train=False) == [4, 8, 12]
     assert due(False, test_freq=0) == due(True, test_freq=0) == []
+
+
+class TwoRanks:
+    """The receiver side the ValidationLog reads: two rollout ranks' results, as delivered."""
+
+    rollout_ranks = 2
+
+    def __init__(self):
+        self.inbox: list[tuple[int, np.ndarray]] = []
+        self.controls: list = []
+
+    def broadcast_control(self, kind, value=0) -> None:
+        self.controls.append((kind, value))
+
+    def poll_validation(self):
+        out, self.inbox = self.inbox, []
+        return out
+
+
+class Rows:
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def write(self, rows: list[dict]) -> None:
+        self.rows += rows
+
+
+def test_a_void_share_leaves_its_step_without_a_row_and_the_others_with_theirs():
+    """Rank 1 could not validate step 4 (its engine restarted and the weights of v2 were
+    gone): step 4 gets no row, whatever rank 0 sends for it later; the run's
+    other validations are logged, and nothing is left waiting."""
+    from hpc_asyncppo.config import Config, DataConfig, TrainerConfig
+    from hpc_asyncppo.trainer.validation import ValidationLog
+
+    prompts = [Prompt(4, "1 =", "2")]
+    receiver, rows = TwoRanks(), Rows()
+    cfg = Config(data=DataConfig(val="v.jsonl"), trainer=TrainerConfig(test_freq=4))
+    log = ValidationLog(cfg, receiver, rows)  # type: ignore[arg-type]
+    log.request(4, 2)
+    log.request(8, 3)
+    void = result_message(4, 2, 1, [], np.zeros((0, 2), np.float32), 0, void=True)
+    receiver.inbox = [(1, void)]
+    log.poll()
+    receiver.inbox = [(r, result_message(8, 3, r, prompts, REWARDS[r : r + 1], 0)) for r in (1, 0)]
+    receiver.inbox.insert(1, (0, result_message(4, 2, 0, prompts, REWARDS[:1], 0)))
+    log.poll()
+    assert log.settled()
+    assert [(r["step"], r["val/param_version"], r["val/prompts"]) for r in rows.rows] == [(8, 3, 2)]
