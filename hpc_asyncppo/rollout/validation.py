@@ -156,10 +156,6 @@ class Validator:
         """Score one val group; send the validation's result once its last group is in."""
         _, job_id, position = key
         job = next(j for j in self.jobs if j.id == job_id)
-        if job.void:
-            job.in_flight -= 1
-            self._send_done()
-            return
         prompt = self.prompts[position]
         n = gen.response_ids.shape[0]
         rewards = np.array(
