@@ -137,6 +137,8 @@ class Validator:
         """Submit val groups of the validations of ``version`` (the weights the engine
         holds), oldest first, up to prompts_per_generate in flight. A validation of older
         weights can no longer run (its engine restarted and got newer ones): void."""
+        if not self.jobs:
+            return
         for job in list(self.jobs):
             if job.version < version:
                 self.void(
@@ -213,16 +215,15 @@ class Validator:
     def _send_done(self) -> None:
         while self.jobs and self.jobs[0].done:
             job = self.jobs.popleft()
-            width = self.cfg.rollout.val_n
+            empty = np.zeros((0, self.cfg.rollout.val_n), dtype=np.float32)
             if job.void:
-                empty = np.zeros((0, width), dtype=np.float32)
                 self.sender.send_validation(
                     result_message(job.step, job.version, self.rank, [], empty, 0, void=True)
                 )
                 continue
             rewards = np.stack([job.rewards[i] for i in range(len(self.prompts))]) if (
                 self.prompts
-            ) else np.zeros((0, width), dtype=np.float32)  # fmt: skip
+            ) else empty  # fmt: skip
             self.sender.send_validation(
                 result_message(
                     job.step, job.version, self.rank, self.prompts, rewards, self.skipped

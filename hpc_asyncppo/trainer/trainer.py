@@ -347,9 +347,8 @@ class TrainerLeader:
         self.sender.finish()
         if stop_requested() is None and not self.progress.unsynced:
             self.intake.receive()  # a REJOIN of that sync
-            if self.sender.lost:
-                self.sync_weights(self.version, again=True)
-                self.sender.finish()
+            self.send_lost_weights()
+            self.sender.finish()
         self.receiver.broadcast_control(Control.STOP)
         self.followers.order(Order.STOP, self.step)
 
