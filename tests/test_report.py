@@ -226,8 +226,9 @@ def test_finished_run_tensorboard(finished_run: Path) -> None:
     acc = EventAccumulator(str(finished_run / "tensorboard"))
     acc.Reload()
     rows = status.metrics_rows(finished_run)
-    logged = [(r["step"], r["reward/mean"]) for r in rows]
-    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == pytest.approx(logged)
+    scalars = acc.Scalars("reward/mean")
+    assert [e.step for e in scalars] == [r["step"] for r in rows]
+    assert [e.value for e in scalars] == pytest.approx([r["reward/mean"] for r in rows])
     assert {"trainer/idle_ratio", "throughput/samples_per_s", "actor/pg_loss"} <= set(
         acc.Tags()["scalars"]
     )
