@@ -319,29 +319,41 @@ def test_plan_sends_large_tensors_alone_and_packs_small_ones():
     assert sorted({s.bucket for s in slots}) == list(range(len(bucket_sizes(slots))))
 
 
-def _background_worker(rank: int, world: int, port: int, queue) -> None:
-    """Rank 0 hands two syncs to its side thread and meanwhile runs collectives of its own
-    on another group, as a trainer trains on; receivers stage each sync on a side thread
-    while their main thread does the same, then check the staged copy."""
-    join_gloo(rank, world, port)
-    sync_group = dist.new_group(list(range(world)))
+def start_sync(rank, group, version, sent, staging) -> Background:
+    """The leader's broadcast (rank 0) or a receiver's staging, on a side thread."""
     cpu = torch.device("cpu")
+    if rank == 0:
+        return WeightBroadcaster(group, 0, 64 / 2**20, cpu).broadcast_in_background(version, sent)
+    return WeightReceiver(group, 0, cpu).receive_staged(staging)
+
+
+def _background_worker(rank: int, world: int, port: int, queue) -> None:
+    """Two syncs, each handed to a side thread while the main threads run collectives of
+    their own on the world group, as a trainer trains on. The peers of the side thread
+    join the sync only after those collectives: sync 1's receivers, so the leader's main
+    thread must get through them while its broadcast waits; sync 2's leader, so each
+    receiver's main thread must while its staging waits. A side thread that blocked its
+    caller would never reach the collectives: the group's 60 s timeout fails the test.
+    The receivers then check the staged copy."""
+    join_gloo(rank, world, port)
+    sync_group = dist.new_group(list(range(world)), timeout=timedelta(seconds=60))
     big = ("huge.fp32", torch.arange(2**18, dtype=torch.float32))  # 1 MiB: direct
     named = streamed_tensors() + [big]
     staging: dict[str, torch.Tensor] = {}
     first_ptrs: dict[str, int] = {}
     for version, factor in ((1, 1.0), (2, -2.0)):
         sent = [(n, t * factor) for n, t in named]
-        if rank == 0:
-            sending = WeightBroadcaster(sync_group, 0, 64 / 2**20, cpu).broadcast_in_background(
-                version, sent
-            )
-        else:
-            sending = WeightReceiver(sync_group, 0, cpu).receive_staged(staging)
-        # the loop goes on meanwhile: collectives on the world group
+
+        tested_side = 0 if version == 1 else 1  # the leader's side, then the receivers'
+        on_tested_side = (rank == 0) == (tested_side == 0)
+        if on_tested_side:
+            sending = start_sync(rank, sync_group, version, sent, staging)
+            assert not sending.done()  # its peers have not joined yet
         total = torch.ones(1)
-        for _ in range(20):
+        for _ in range(20):  # the loop goes on: collectives on the world group
             dist.all_reduce(total)
+        if not on_tested_side:
+            sending = start_sync(rank, sync_group, version, sent, staging)
         result = sending.result(60)
         if rank == 0:
             queue.put((rank, version, sending.done() and result >= 0, total.item() > 1))
@@ -363,8 +375,10 @@ def _background_worker(rank: int, world: int, port: int, queue) -> None:
 
 def test_a_sync_runs_on_side_threads_while_both_loops_go_on():
     """In-flight weight updates: the leader's broadcast and a receiver's staging run on side
-    threads while the main threads run collectives of their own; the staged copy is bit
-    exact, every dtype and a direct (in-place) tensor included, and reused by the next sync."""
+    threads while the main threads run collectives of their own, which the sync's peers
+    wait for before they join it (so the main thread provably went on while the side
+    thread's sync was under way); the staged copy is bit exact, every dtype and a direct
+    (in-place) tensor included, and reused by the next sync."""
     world = 3
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
