@@ -337,6 +337,11 @@ def learning_panels(fig, grid, rows: list[dict], steps: list[int]) -> None:
 
 
 def plot(data: RunData, summary: Summary, out: Path) -> None:
+    figure(data, summary).savefig(out, dpi=72)
+
+
+def figure(data: RunData, summary: Summary):
+    """The report's panels (a matplotlib ``Figure``, each panel's axes titled)."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
@@ -426,7 +431,7 @@ def plot(data: RunData, summary: Summary, out: Path) -> None:
     if t0 is not None and window is not None:
         draw_gantt(ax, data, t0, window)
     ax.set_title("timeline, zoomed on a few steps in the middle of the run")
-    fig.savefig(out, dpi=72)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,6 +63,26 @@ QWEN2_5_7B_CONFIG = {
 }
 
 
+def reset_peak_rss() -> int:
+    """Start this process's peak resident memory afresh (the kernel's VmHWM, reset through
+    /proc/self/clear_refs); returns the resident bytes now. The kernel then keeps the exact
+    peak, which no sampling thread would catch for sure."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss() -> int:
+    """This process's peak resident bytes since ``reset_peak_rss``."""
+    return _status_kib("VmHWM") * 1024
+
+
+def _status_kib(field: str) -> int:
+    line = next(
+        x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field)
+    )
+    return int(line.split()[1])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

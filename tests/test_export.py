@@ -240,27 +240,22 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_is_refused_by_step(run_dir, 
     assert torch.equal(exported_logits(tmp_path / "newest")[0], exported_logits(good)[0])
 
 
+# The exporting process's peak resident memory: the kernel's exact high-water mark
+# (VmHWM), started afresh once the imports are done
 PEAK_PROBE = """
-import os, sys, threading
+import sys
+from pathlib import Path
 from hpc_asyncppo.export import main
 import transformers.models.qwen2.modeling_qwen2  # what the export imports, before measuring
 
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def kib(field):
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field))
+    return int(line.split()[1]) * 1024
 
-base = peak = rss()
-done = threading.Event()
-def sample():
-    global peak
-    while not done.wait(0.0005):
-        peak = max(peak, rss())
-thread = threading.Thread(target=sample)
-thread.start()
+Path("/proc/self/clear_refs").write_text("5")
+base = kib("VmRSS")
 rc = main(sys.argv[1:])
-done.set()
-thread.join()
-print(base, max(peak, rss()))
+print(base, kib("VmHWM"))
 sys.exit(rc)
 """
 

@@ -9,6 +9,7 @@ attempts before it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -22,13 +23,21 @@ class Progress:
     samples_filtered: int = 0  # of samples_dropped: by dynamic sampling
     idle_s: float = 0.0  # the leader's time waiting for samples, over every attempt
     elapsed_before_s: float = 0.0  # training time of earlier attempts of this job
-    started_at: float = field(default_factory=time.monotonic)  # this attempt's, not saved
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)  # tests inject one
+    started_at: float = field(default=0.0)  # this attempt's start by ``clock``, not saved
+
+    def __post_init__(self) -> None:
+        self.start()
 
     def start(self) -> None:
-        self.started_at = time.monotonic()
+        self.started_at = self.clock()
+
+    def add_wait(self, since: float) -> None:
+        """The leader waited for samples from ``since`` (a ``clock()`` reading) until now."""
+        self.idle_s += self.clock() - since
 
     def elapsed_s(self) -> float:
-        return self.elapsed_before_s + time.monotonic() - self.started_at
+        return self.elapsed_before_s + self.clock() - self.started_at
 
     @property
     def unsynced(self) -> bool:

@@ -162,7 +162,7 @@ class TrainerLeader:
     # --- the steps ----------------------------------------------------------------------
     def take_batch(self) -> Batch | None:
         """The next step's groups (``Intake.take``), its drops recorded; None on a stop."""
-        waited_since, wall_start = time.monotonic(), time.time()
+        waited_since, wall_start = self.progress.clock(), time.time()
         heartbeat.doing(f"waiting for samples for step {self.step + 1}")
         batch = self.intake.take(
             lambda: self.version,  # a tick may send weights (send_lost_weights)
@@ -171,7 +171,7 @@ class TrainerLeader:
             self.step + 1,
             tick=self.between_polls,
         )
-        self.progress.idle_s += time.monotonic() - waited_since
+        self.progress.add_wait(waited_since)
         self.timeline.record("wait", wall_start, time.time(), step=self.step + 1)
         if batch is not None:
             for group, reason in batch.dropped:

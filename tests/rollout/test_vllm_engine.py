@@ -38,7 +38,7 @@ from hpc_asyncppo.rollout.generation import Generation
 from hpc_asyncppo.runlog import weights_digest
 from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.policy import Policy
-from tests.conftest import vllm_environment
+from tests.conftest import peak_rss, reset_peak_rss, vllm_environment
 
 CPU = torch.device("cpu")
 # fp32, vLLM's oneDNN kernels with sums split over two TP workers, against transformers'
@@ -253,16 +253,6 @@ def test_a_lora_sync_carries_adapters_and_the_workers_generate_with_them(
     assert (base_lp - rollout_lp).abs()[mask].max().item() > 0.1  # the adapters count
 
 
-def rss_bytes() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def watch_rss(peak: list[int], done: threading.Event) -> None:
-    while not done.is_set():
-        peak[0] = max(peak[0], rss_bytes())
-        time.sleep(0.0005)
-
-
 def test_every_worker_loads_the_senders_weights_and_this_process_keeps_no_copy(engine, model_dir):
     """Both TP workers are members of the weight group (ranks 1 and 2 after the sender),
     each digests what it handed to vLLM's loader: the sender's digest, at every version.
@@ -275,17 +265,11 @@ def test_every_worker_loads_the_senders_weights_and_this_process_keeps_no_copy(e
     for version, seed in ((0, None), (1, 31)):
         weights = perturbed(policy, seed) if seed else dict(policy.named_weights())
         weights = {n: t.clone() for n, t in weights.items()}
-        before, peak, done = rss_bytes(), [0], threading.Event()
-        watcher = threading.Thread(target=watch_rss, args=(peak, done))
-        watcher.start()
-        try:
-            update = engine.load_weights(weights, version=version, digest=True)
-        finally:
-            done.set()
-            watcher.join()
+        before = reset_peak_rss()
+        update = engine.load_weights(weights, version=version, digest=True)
         assert update.digests == [weights_digest(list(weights.items()))] * TP, version
         assert sorted(w["rank"] for w in engine.last_sync()) == [1, 2]
-        grown = peak[0] - before
+        grown = peak_rss() - before
         assert grown <= 2 * bucket_bytes + 2**20, f"v{version}: +{grown / 2**20:.2f} MiB"
 
 

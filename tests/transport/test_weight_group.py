@@ -63,14 +63,12 @@ def _rank(rank: int, world_port: int, spec: WeightGroupSpec, out: dict) -> None:
         time.sleep(SILENT_S)
         return
     group = open_weight_group(spec, rank)
-    start = time.monotonic()
     if rank == 0:
         WeightBroadcaster(group, 0, 1 / 2**10, torch.device("cpu")).broadcast(7, weights(1))
     else:
         version, received = WeightReceiver(group, 0, torch.device("cpu")).receive_all()
         out["version"] = version
         out["digest"] = weights_digest(list(received.items()))
-    out[f"seconds{rank}"] = time.monotonic() - start
     os._exit(0)  # leave the default group without its (collective) teardown
 
 
@@ -92,4 +90,3 @@ def test_a_sync_completes_while_the_default_group_has_a_silent_rank() -> None:
         assert silent_alive, "the silent rank should still be sleeping: the test proves nothing"
         assert out["version"] == 7
         assert out["digest"] == weights_digest(weights(1))
-        assert out["seconds1"] < SILENT_S / 2
