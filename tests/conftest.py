@@ -1,8 +1,23 @@
-"""Fixtures shared by every test folder: the tiny model, built once per session (and the
+r"""Fixtures shared by every test folder: the tiny model, built once per session (and the
 cache that runs copy it from), and the rollout-vs-trainer log-prob comparison every engine
 test makes, and the environment every vLLM test runs vLLM in. Also the helpers several test
-files share: the repository root, a free local port, and a small local run and its final
-weights."""
+files share: the repository root, a free local port, a process's peak memory, and a small
+local run and its final weights.
+
+The suite's rule on time: a test asserts behaviour and invariants, never the machine's
+pace (this machine is shared; the same suite has taken 15 and 30 minutes).
+- No wall-clock duration is compared with an upper bound other than a hang limit of at
+  least 60 s: a deadline ``time.monotonic() + HANG_S``, a wait's ``timeout=``. Lower
+  bounds ("not before its timeout") are behaviour. ``tests/test_suite_rules.py`` checks
+  every test file; to look by hand: ``grep -rnE "(monotonic|time)\(\) *[-+]" tests``.
+- Learning is judged where timing does not move it: a rise over the run's own first
+  steps (e.g. the last 20 steps at 4x the first 20), a sync-mode run, or a margin
+  measured over seeds and written next to the bar; never where a run is at a fixed step.
+- Timing bookkeeping (idle ratios, goodput, heartbeats) is checked exactly on an injected
+  clock in unit tests; real runs assert only invariants (ratios in [0, 1], counters that
+  only grow, spans in order).
+- A fault is injected at a named moment (a step, a log line, a file), not raced against.
+"""
 
 from __future__ import annotations
 

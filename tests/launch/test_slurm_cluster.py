@@ -96,7 +96,7 @@ def processes_of(run_dir: Path) -> list[int]:
     return pids
 
 
-def assert_no_processes_left(run_dir: Path, timeout_s: float = 30) -> None:
+def assert_no_processes_left(run_dir: Path, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while processes_of(run_dir) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -190,8 +190,8 @@ def test_scancel_ends_the_job_cleanly(shared_dir: Path) -> None:
     assert job_state(job_id) == "CANCELLED"
     # A rank killed at scancel leaves no record, and Slurm 22.05's srun may then hang: the
     # step wrapper ends it step_exit_s (5 s here) after srun reports the deaths, SIGKILL 15 s
-    # later (launch/slurm/step.py). Bounded, so wait that long before calling it a leak.
-    assert_no_processes_left(run_dir, timeout_s=40)
+    # later (launch/slurm/step.py). Bounded: the hang limit covers it.
+    assert_no_processes_left(run_dir)
 
 
 def test_a_failing_rank_ends_the_whole_job(shared_dir: Path) -> None:

@@ -23,6 +23,7 @@ from hpc_asyncppo.config import Config, to_yaml
 from hpc_asyncppo.launch.slurm import step
 from hpc_asyncppo.launch.slurm.step import StepWatch, run_step, task_death
 
+HANG_S = 60  # a bound for a hang, never a speed
 JOB_ENV = {
     "SLURM_JOB_ID": "41",
     "SLURM_RESTART_COUNT": "1",
@@ -128,12 +129,12 @@ def test_wrapper_forwards_sigterm_to_srun_and_returns_its_status(tmp_path: Path)
         [sys.executable, "-m", "hpc_asyncppo.launch.slurm.step", str(tmp_path), "sh", "-c", script],
         env=env,
     )
-    deadline = time.monotonic() + 30.0
+    deadline = time.monotonic() + HANG_S
     while not ready.exists():
         assert time.monotonic() < deadline, "the wrapped command never started"
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30.0) == 0
+    assert proc.wait(timeout=HANG_S) == 0
     assert got.read_text().strip() == "TERM"
 
 

@@ -71,7 +71,7 @@ def model_turn(r: Response, tokens: list[int], width: int = WIDTH) -> None:
     r.end_turn(width, multi_turn=True)
 
 
-def settle(turns: Turns, groups: dict, prompts, limit_s: float = 10.0) -> None:
+def settle(turns: Turns, groups: dict, prompts, limit_s: float = 60.0) -> None:
     deadline = time.monotonic() + limit_s
     while any(r.waiting for g in groups.values() for r in g.responses):
         turns.advance(groups, lambda key: prompts[key[1]])

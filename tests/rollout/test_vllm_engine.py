@@ -41,6 +41,7 @@ from hpc_asyncppo.trainer.policy import Policy
 from tests.conftest import peak_rss, reset_peak_rss, vllm_environment
 
 CPU = torch.device("cpu")
+HANG_S = 60  # a bound for a hang, never a speed
 # fp32, vLLM's oneDNN kernels with sums split over two TP workers, against transformers'
 # eager ones, on the 256-wide model: most sampled tokens differ by < 3e-5, the largest seen
 # in a full-suite run was 1.02e-4 (a low-probability token). A wrong or stale weight is
@@ -421,7 +422,7 @@ def test_a_stopped_engine_process_is_killed_and_fails_the_waiting_step(engine, m
             if not engine.in_flight:
                 engine.submit(i, prompt, N)
             engine.step()
-    core.join(timeout=10)
+    core.join(timeout=HANG_S)
     assert core.exitcode == -signal.SIGKILL
     with pytest.raises(RuntimeError, match=stalled):
         engine.interrupt()  # the checkpoint's first call on a stop
@@ -435,7 +436,7 @@ def test_a_dead_engine_process_is_named_with_its_signal_or_exit_code():
     )
     proc.start()
     os.kill(proc.pid, signal.SIGKILL)
-    proc.join(timeout=30)
+    proc.join(timeout=HANG_S)
     assert (
         death_reason(proc)
         == f"vLLM's engine process EngineCore_0 (pid {proc.pid}) died (signal SIGKILL)"
@@ -444,5 +445,5 @@ def test_a_dead_engine_process_is_named_with_its_signal_or_exit_code():
         target=sys.exit, args=(3,), name="EngineCore_0"
     )
     quits.start()
-    quits.join(timeout=30)
+    quits.join(timeout=HANG_S)
     assert death_reason(quits).endswith("died (exit code 3)")

@@ -32,7 +32,7 @@ def sandbox_processes() -> list[int]:
 
 
 def no_process_left() -> None:
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_S
     while sandbox_processes() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not sandbox_processes(), "a process of the sandbox outlived its call"

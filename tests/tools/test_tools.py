@@ -104,7 +104,7 @@ class Probe(Tool):
                 self.running -= 1
 
 
-def wait_all(pending, limit_s: float = 20.0):
+def wait_all(pending, limit_s: float = 60.0):
     deadline = time.monotonic() + limit_s
     while not all(p.done() for p in pending):
         assert time.monotonic() < deadline, "a call never settled"

@@ -23,7 +23,8 @@ from hpc_asyncppo.transport.weight_group import (
 )
 from hpc_asyncppo.transport.weights import WeightBroadcaster, WeightReceiver
 
-SILENT_S = 60  # the silent rank stays in the default group this long, doing nothing
+SILENT_S = 120  # the silent rank stays in the default group this long, doing nothing
+HANG_S = 60  # the sync's ranks end before this, and long before the silent one
 
 
 def _port() -> int:
@@ -82,7 +83,7 @@ def test_a_sync_completes_while_the_default_group_has_a_silent_rank() -> None:
         for p in procs:
             p.start()
         for p in procs[:2]:
-            p.join(timeout=SILENT_S)
+            p.join(timeout=HANG_S)
         silent_alive = procs[2].is_alive()
         for p in procs:
             p.kill()
