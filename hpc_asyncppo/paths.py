@@ -35,6 +35,8 @@ Created before any rank starts (``launch/rundir.py``), read by every rank and by
   RUN_DIR/hf_final/               HF_FINAL   the final checkpoint as a Hugging Face folder
                                              (checkpoint.save_hf_final)
   RUN_DIR/report.png              REPORT     ``python -m hpc_asyncppo.report``'s image
+  RUN_DIR/faults_fired.jsonl      FAULTS_FIRED  faults a test or drill injected, once each
+                                             (runtime/faults.py)
 
 Names only, no imports: any module may use them without an import cycle.
 """
@@ -64,3 +66,4 @@ PREEMPTED = "preempted"
 RESTART = "restart"
 HF_FINAL = "hf_final"
 REPORT = "report.png"
+FAULTS_FIRED = "faults_fired.jsonl"

@@ -51,6 +51,8 @@ def main(argv: list[str]) -> int:
 
     install_stop_handlers()  # first: a warning signal during start-up must not kill the rank
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    from hpc_asyncppo.runtime import faults
+
     role = "unknown"
     logging.basicConfig(
         filename=run_dir / LOGS / f"rank{rank}.log",
@@ -63,6 +65,7 @@ def main(argv: list[str]) -> int:
     try:
         role = role_of(rank, rollout_rank_count())
         write_rank_info(run_dir, rank, size, role, "starting")
+        faults.arm(run_dir, rank)  # faults injected by a test or a drill (none in a real run)
         from hpc_asyncppo.config import load_resolved
         from hpc_asyncppo.launch.gpus import bind_gpus
 

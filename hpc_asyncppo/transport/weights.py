@@ -52,6 +52,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from hpc_asyncppo.runtime import faults
+
 _DTYPES = {str(dt): dt for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 ALIGN = 16  # bytes: every tensor's offset in its bucket is a multiple of this
 # A tensor of at least this many bytes travels alone and without copies: broadcast from the
@@ -473,6 +475,7 @@ class WeightReceiver:
         self.target = target or device
         self.window = Window(device, budget=0)
         self.peak_bytes = 0  # most bucket-buffer bytes held at once, over every sync
+        self.syncs = 0  # headers received: this sync's number (for faults.at)
 
     @property
     def held_bytes(self) -> int:
@@ -481,6 +484,7 @@ class WeightReceiver:
 
     def receive(self) -> IncomingWeights:
         """The next sync's header; its buckets follow through ``IncomingWeights.buckets``."""
+        self.syncs += 1
         length = torch.empty(1, dtype=torch.int64, device=self.device)
         self.group.broadcast(length, self.src).wait()
         header = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
@@ -584,6 +588,7 @@ class WeightReceiver:
                     raise RuntimeError(f"weight sync: bucket {index} could not be received")
                 seq, bucket, in_place = arrived.pop(index)
                 window.wait_for(seq)
+                faults.at("bucket", index + 1, sync=self.syncs)  # a drill's named moment
                 if in_place:
                     yield {members[index][0].name: bucket}
                     continue
