@@ -130,8 +130,8 @@ def test_warning_signal_and_requeue_resume_with_every_sample_once(shared_dir: Pa
     job_id = interrupt_three_times(run_dir)
     assert job_state(job_id) == "COMPLETED"
     attempts = read_jsonl(run_dir / "goodput.jsonl")
-    # (each attempt's reason and failure lines in the message: a CI run once had a second
-    # failed attempt after the crash, and pytest's shortened repr of the rows hid why)
+    # (each attempt's reason and failure lines in the message, in full: pytest's shortened
+    # repr of the rows would hide why an attempt failed)
     if [a["reason"] for a in attempts] != [
         "signal SIGUSR2",
         "signal SIGTERM",

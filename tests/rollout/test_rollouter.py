@@ -365,7 +365,7 @@ def test_a_validation_asked_for_while_the_engine_restarts_is_of_the_announced_we
 
 def test_a_rank_whose_share_of_val_prompts_is_empty_answers_at_once(tmp_path, tiny_model_dir):
     """More rollout ranks than val prompts: the last rank validates nothing and says so
-    (an empty result; it once failed building it)."""
+    (an empty result, built without the arrays of a group it never generated)."""
     val = tmp_path / "val.jsonl"
     next_digit.write_prompts(val, next_digit.held_out_prompts(VAL_PROMPTS))
     cfg = load_config(

@@ -1,5 +1,5 @@
 """The code interpreter's sandbox holds each of its limits against code written to break
-it (the table of issue 23): an infinite loop, a sleep for ever, a fork bomb, a 10 GB
+it: an infinite loop, a sleep for ever, a fork bomb, a 10 GB
 allocation, writing outside its directory, reading the job's environment, the network,
 output without end. Real processes, real limits; nothing is mocked. Where this node lacks
 a mechanism (``isolation()``), the tests that need it say so and skip."""

@@ -1,5 +1,5 @@
 """Each recipe of hpc_asyncppo.trainer.algos equals verl's function of the same name on random
-inputs, values and gradients, except the differences its docstrings name (issue 25).
+inputs, values and gradients, except the differences its docstrings name.
 
 The reference is verl's own code, never copied here: the test loads it from the verl 0.7.1
 wheel, ``build/verl-reference/verl-0.7.1-py3-none-any.whl`` (scripts/test.sh downloads it with
