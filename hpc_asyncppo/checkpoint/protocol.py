@@ -56,7 +56,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import sys
 import uuid
 from collections.abc import Callable
@@ -79,6 +78,7 @@ from hpc_asyncppo.checkpoint.store import (
     verify_checkpoint,
 )
 from hpc_asyncppo.paths import CHECKPOINTS
+from hpc_asyncppo.runtime import faults
 from hpc_asyncppo.runtime.topology import ROLLOUT, Topology
 
 if TYPE_CHECKING:
@@ -92,7 +92,6 @@ MANIFEST_FORMAT_VERSION = 2
 LEADER_PART = "leader.h5"
 _STEP_DIR = re.compile(r"step_(\d{8,})")
 _LEGACY = re.compile(r"ckpt_(\d{8,})\.h5")
-_KILL_AFTER = "HPC_ASYNCPPO_TEST_KILL_AFTER_PART"  # "<step>:<part>", for the crash tests
 
 
 def trainer_part(rank: int) -> str:
@@ -149,9 +148,7 @@ def write_part(folder: Path, name: str, tree: dict) -> PartInfo:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
     checksum = save_checkpoint(path, tree, {"part": name})
-    kill = os.environ.get(_KILL_AFTER)
-    if kill and kill == f"{int(folder.name[5:])}:{name}":
-        os.kill(os.getpid(), signal.SIGKILL)  # tests: a rank dies between its part and the commit
+    faults.at("part_written", checkpoint_step(folder))  # a drill's moment: before the commit
     return PartInfo(name, path.stat().st_size, checksum)
 
 

@@ -13,8 +13,16 @@ its engine's start), kills its engine: the engine dies mid-broadcast.
 
 Actions: ``kill_engine`` (a vLLM worker SIGKILLs its engine core and itself; elsewhere
 the process kills itself), ``kill_rank`` and ``stop_rank`` (SIGKILL or SIGSTOP the
-process). Moments: ``bucket`` (``transport/weights.py``'s receive loop, both engines).
-Filters: ``rank`` (world rank), ``sync`` (the receiver's count of syncs).
+process). Moments, each at a number:
+
+    bucket=N        a weight receiver (``transport/weights.py``, both engines) as the N-th
+                    bucket of a sync arrives; filters ``rank``, ``sync`` (the receiver's
+                    count of syncs, from its engine's start)
+    step=N          a trainer rank (the leader and the others) as it begins step N
+    part_written=N  a rank once its part of the checkpoint of step N is written, before
+                    the leader commits the checkpoint
+
+``rank`` (world rank) filters every moment.
 
 A fault fires once per run: before it acts it is appended to ``RUN_DIR/faults_fired.jsonl``
 (``RUN_DIR`` from ``HPC_ASYNCPPO_RUN_DIR``, which each rank sets for its children), and a
@@ -36,7 +44,7 @@ FAULTS_ENV = "HPC_ASYNCPPO_FAULTS"
 RUN_DIR_ENV = "HPC_ASYNCPPO_RUN_DIR"
 RANK_ENV = "HPC_ASYNCPPO_WORLD_RANK"
 ACTIONS = ("kill_engine", "kill_rank", "stop_rank")
-MOMENTS = {"bucket": ("rank", "sync")}
+MOMENTS = {"bucket": ("rank", "sync"), "step": ("rank",), "part_written": ("rank",)}
 
 
 @dataclass(frozen=True)

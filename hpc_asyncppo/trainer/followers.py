@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.config import Config
-from hpc_asyncppo.runtime import heartbeat
+from hpc_asyncppo.runtime import faults, heartbeat
 from hpc_asyncppo.runtime.topology import Topology
 from hpc_asyncppo.timeline import Timeline
 from hpc_asyncppo.trainer.batch import to_tensors
@@ -124,6 +124,7 @@ def run_follower(
             written = protocol.write_own_part(folder, name, protocol.trainer_tree(policy))
             report_part(topo.local, written, cfg.timeouts.rank_wait_s)
             continue
+        faults.at("step", step)  # a drill's named moment (none in a real run)
         train_start = time.time()
         if ppo_update(policy, to_tensors(shard, topo.device)) is None:
             continue  # abandoned by a stop signal, as on the leader: a checkpoint order follows

@@ -38,7 +38,7 @@ from hpc_asyncppo.checkpoint.store import (
 )
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.paths import HF_FINAL, OVERFLOW, PREEMPTED
-from hpc_asyncppo.runtime import heartbeat, startup
+from hpc_asyncppo.runtime import faults, heartbeat, startup
 from hpc_asyncppo.runtime.signals import stop_requested, stop_requested_at
 from hpc_asyncppo.runtime.topology import Topology
 from hpc_asyncppo.tasks import load_task
@@ -181,6 +181,7 @@ class TrainerLeader:
     def train(self, batch: Batch) -> dict[str, float] | None:
         """One PPO update on ``batch``, every trainer rank on its shard; logged. None if a
         stop signal abandoned it before its optimizer step."""
+        faults.at("step", self.step + 1)  # a drill's named moment (none in a real run)
         train_start = time.time()
         heartbeat.doing(f"training step {self.step + 1} (with the other trainer ranks)")
         groups = batch.groups

@@ -165,7 +165,8 @@ def test_a_rank_killed_while_parts_are_written_leaves_the_previous_checkpoint(tm
     run_dir = tmp_path / "run"
     args = ["--train-ranks", "2", *SMALL, "trainer.total_steps=6", "checkpoint.save_every=2",
             "trainer.max_restarts=0"]  # the resume below, by hand  # fmt: skip
-    env = {**os.environ, "HPC_ASYNCPPO_TEST_KILL_AFTER_PART": "4:trainer1.h5"}
+    # world rank 2 (trainer1.h5) killed once its part of step 4 is written, before the commit
+    env = {**os.environ, "HPC_ASYNCPPO_FAULTS": "kill_rank@part_written=4:rank=2"}
     cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local",
            "--run-dir", str(run_dir), *args]  # fmt: skip
     killed = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300, env=env)

@@ -90,7 +90,8 @@ def test_kill_engine_outside_a_vllm_worker_kills_only_the_process(tmp_path):
         ("kill_rank", "is not ACTION@MOMENT=N"),
         ("kill_rank@bucket=x", "is not ACTION@MOMENT=N"),
         ("explode@bucket=1", "actions are kill_engine, kill_rank, stop_rank"),
-        ("kill_rank@decode=1", "moments are bucket"),
+        ("kill_rank@decode=1", "moments are bucket, step, part_written"),
+        ("kill_rank@step=3:sync=1", "step takes the filters rank, not sync"),
         ("kill_rank@bucket=1:step=3", "bucket takes the filters rank, sync, not step"),
     ],
 )
