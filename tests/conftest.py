@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -27,6 +27,7 @@ from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.batch import collate, to_tensors
 from hpc_asyncppo.trainer.policy import Policy
 from hpc_asyncppo.transport.samples import SampleGroup
+from tests.harness import end_leftover_runs
 
 REPO = Path(__file__).resolve().parents[1]
 # The small multi-rank runs of tests/integration (test_resume, test_sharded_training)
@@ -108,6 +109,13 @@ def single_process_group() -> None:
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
         )
+
+
+@pytest.fixture(autouse=True)
+def no_job_left_running() -> Iterator[None]:
+    """A test that fails while its run goes on leaves no launcher, mpirun or rank behind."""
+    yield
+    end_leftover_runs()
 
 
 @pytest.fixture(scope="session", autouse=True)
