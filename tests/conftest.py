@@ -1,14 +1,13 @@
 """Fixtures shared by every test folder: the tiny model, built once per session (and the
 cache that runs copy it from), and the rollout-vs-trainer log-prob comparison every engine
 test makes, and the environment every vLLM test runs vLLM in. Also the helpers several test
-files share: the repository root, a free local port, and a small local run and its final
-weights."""
+files share: the repository root and a free local port. Runs are started, waited for and
+audited by tests/harness.py; every job a test left running is ended as it ends."""
 
 from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -20,7 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpc_asyncppo.checkpoint.protocol import read_full, read_manifest, step_dir
 from hpc_asyncppo.config import DataConfig, TinyModelConfig
 from hpc_asyncppo.models.tiny import CACHE_VARIABLE, build_tiny_model
 from hpc_asyncppo.tasks import load_task
@@ -30,8 +28,6 @@ from hpc_asyncppo.transport.samples import SampleGroup
 from tests.harness import end_leftover_runs
 
 REPO = Path(__file__).resolve().parents[1]
-# The small multi-rank runs of tests/integration (test_resume, test_sharded_training)
-SMALL = ["actor.ppo_mini_batch_size=4", "data.num_prompts=64", "timeouts.sample_wait_s=120"]
 
 
 def vllm_environment(root: Path) -> dict[str, str]:
@@ -68,18 +64,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def submit_local(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python -m hpc_asyncppo.submit --cluster local ARGS`` run from the repository."""
-    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout)
-
-
-def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    """The model weights of a run's checkpoint of ``step``, whole (gathered from its parts)."""
-    assert read_manifest(step_dir(run_dir, step))["step"] == step
-    return read_full(step_dir(run_dir, step), "model")
 
 
 def end_spawned_rank(*queues: object) -> NoReturn:
