@@ -1,8 +1,9 @@
 r"""Fixtures shared by every test folder: the tiny model, built once per session (and the
 cache that runs copy it from), and the rollout-vs-trainer log-prob comparison every engine
 test makes, and the environment every vLLM test runs vLLM in. Also the helpers several test
-files share: the repository root, a free local port, a process's peak memory, and a small
-local run and its final weights.
+files share: the repository root, a free local port and a process's peak memory. Runs are
+started, waited for and audited by tests/harness.py; every job a test left running is
+ended as it ends.
 
 The suite's rule on time: a test asserts behaviour and invariants, never the machine's
 pace (this machine is shared; the same suite has taken 15 and 30 minutes).
@@ -23,10 +24,9 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -35,17 +35,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpc_asyncppo.checkpoint.protocol import read_full, read_manifest, step_dir
 from hpc_asyncppo.config import DataConfig, TinyModelConfig
 from hpc_asyncppo.models.tiny import CACHE_VARIABLE, build_tiny_model
 from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.batch import collate, to_tensors
 from hpc_asyncppo.trainer.policy import Policy
 from hpc_asyncppo.transport.samples import SampleGroup
-
-REPO = Path(__file__).resolve().parents[1]
-# The small multi-rank runs of tests/integration (test_resume, test_sharded_training)
-SMALL = ["actor.ppo_mini_batch_size=4", "data.num_prompts=64", "timeouts.sample_wait_s=120"]
+from tests.harness import end_leftover_runs
 
 
 def vllm_environment(root: Path) -> dict[str, str]:
@@ -104,18 +100,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def submit_local(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python -m hpc_asyncppo.submit --cluster local ARGS`` run from the repository."""
-    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout)
-
-
-def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    """The model weights of a run's checkpoint of ``step``, whole (gathered from its parts)."""
-    assert read_manifest(step_dir(run_dir, step))["step"] == step
-    return read_full(step_dir(run_dir, step), "model")
-
-
 def end_spawned_rank(*queues: object) -> NoReturn:
     """End a spawned test rank once its work is done and its results are out.
 
@@ -143,6 +127,13 @@ def single_process_group() -> None:
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
         )
+
+
+@pytest.fixture(autouse=True)
+def no_job_left_running() -> Iterator[None]:
+    """A test that fails while its run goes on leaves no launcher, mpirun or rank behind."""
+    yield
+    end_leftover_runs()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -71,7 +71,8 @@ from pathlib import Path
 import pytest
 
 from hpc_asyncppo.runlog import read_jsonl
-from tests.conftest import QWEN2_5_7B_CONFIG, REPO
+from tests.conftest import QWEN2_5_7B_CONFIG
+from tests.harness import REPO, Run
 
 REWARD = "data.reward_fn=hpc_asyncppo.tasks.gsm8k:gsm8k_reward"
 VLLM_TINY = ["rollout.engine=vllm", "model.tiny.num_heads=2"]
@@ -475,14 +476,8 @@ def test_a_run_with_overlong_prompts_trains_only_the_others(workspace: Workspace
     """The prompt that used to stop the job mid-run is never generated for."""
     rows = [_row(2 + i % 4, str(i % 10)) for i in range(8)]
     rows[5] = _row(30)
-    args = _run(workspace, *_jsonl(workspace, *rows), *FAST, "trainer.total_steps=6")
-    proc = subprocess.run(
-        [sys.executable, "-m", "hpc_asyncppo.submit", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-    )
+    args = [*_jsonl(workspace, *rows), *FAST, "trainer.total_steps=6"]
+    proc = Run.start(workspace.tmp / "run", *args).finish()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "warning: dropped 1 of 8 prompts" in proc.stderr
     trained = read_jsonl(workspace.tmp / "run" / "trained_samples.jsonl")

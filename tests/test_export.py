@@ -33,7 +33,8 @@ from hpc_asyncppo.models.tiny import build_tokenizer
 from hpc_asyncppo.paths import HF_FINAL
 from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.policy import Policy
-from tests.conftest import REPO, vllm_environment
+from tests.conftest import vllm_environment
+from tests.harness import REPO, SMALL, Run
 
 CPU = torch.device("cpu")
 STEPS = 6
@@ -71,13 +72,9 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("export_run")
     model = qwen2_model(root / "qwen2_tied", tied=True)
     run = root / "run"
-    cmd = [
-        sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", "--run-dir", str(run),
-        "--train-ranks", "2", f"model.path={model}", "actor.ppo_mini_batch_size=4",
-        "data.num_prompts=64", f"trainer.total_steps={STEPS}", "checkpoint.save_every=3",
-        "checkpoint.save_hf_final=true", "timeouts.sample_wait_s=120",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    proc = Run.start(run, f"model.path={model}", *SMALL, f"trainer.total_steps={STEPS}",
+                     "checkpoint.save_every=3", "checkpoint.save_hf_final=true",
+                     train_ranks=2).finish()  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(protocol.read_manifest(protocol.step_dir(run, STEPS))["parts"]) == [
         "leader.h5", "rollout0.h5", "trainer0.h5", "trainer1.h5"

@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from hpc_asyncppo import timeline as tl
 from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.paths import METRICS, REPORT, TRAINED
 from hpc_asyncppo.runlog import read_jsonl
-from tests.conftest import submit_local
+from tests.harness import HANG_S, Run
 
 pytestmark = pytest.mark.mpi
 
@@ -37,27 +35,18 @@ KILLED_TOTAL_STEPS = 60  # killed long before the end (a kill comes 2 s in: 7-20
 SHALLOW_QUEUE = ["async_training.staleness_threshold=0.1", "algorithm.rollout_is=none"]
 
 
-def submit(run_dir: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local"]
-    cmd += ["--run-dir", str(run_dir), *args, *SHALLOW_QUEUE]
+def submit(run_dir: Path, *args: str, **ranks: int) -> Run:
     # its own process group: the killed-run test kills the launcher, mpirun and every rank
-    return subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
+    return Run.start(
+        run_dir, *args, *SHALLOW_QUEUE, env={"PYTHONUNBUFFERED": "1"}, own_session=True, **ranks
     )
 
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("report") / "finished"
-    proc = submit(run_dir, "--train-ranks", "2", "trainer.total_steps=10")
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
+    proc = submit(run_dir, "trainer.total_steps=10", train_ranks=2).finish()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     return run_dir
 
 
@@ -68,23 +57,20 @@ def killable(rows: list[dict]) -> bool:
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("report") / "killed"
-    proc = submit(run_dir, f"trainer.total_steps={KILLED_TOTAL_STEPS}", "checkpoint.save_every=5")
-    deadline = time.monotonic() + 240
+    run = submit(run_dir, f"trainer.total_steps={KILLED_TOTAL_STEPS}", "checkpoint.save_every=5")
     # past the checkpoint of step 5, and long enough that the ranks flushed their timelines
-    while not killable(read_jsonl(run_dir / METRICS)):
-        assert proc.poll() is None and time.monotonic() < deadline, "no steps before the kill"
-        time.sleep(0.05)
+    run.wait_until(lambda: killable(read_jsonl(run_dir / METRICS)), "steps before the kill")
     # Like a lost node: every rank, mpirun and the launcher at once. Each has its own
     # process group (mpirun its own session, each rank its own group).
     pids = [info["pid"] for info in status.read_rank_info(run_dir)]
-    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    launcher = run.proc.pid
+    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     for pid in children:  # mpirun
         os.killpg(int(pid), signal.SIGKILL)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate(timeout=60)
-    deadline = time.monotonic() + 60  # a hang's bound
+    run.kill()  # the launcher's process group
+    deadline = time.monotonic() + HANG_S
     while any(status.process_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(status.process_alive(p) for p in pids), "a rank outlived its process group"
@@ -96,7 +82,7 @@ def resumed_run(killed_run: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     """A copy of the killed run, started again: it resumes from its step-5 checkpoint."""
     run_dir = tmp_path_factory.mktemp("report") / "resumed"
     shutil.copytree(killed_run, run_dir)
-    proc = submit_local("--resume", str(run_dir))
+    proc = Run(run_dir).resume().finish()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return run_dir
 

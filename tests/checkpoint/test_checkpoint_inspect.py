@@ -19,7 +19,7 @@ import torch
 from hpc_asyncppo.checkpoint.protocol import step_dir
 from hpc_asyncppo.checkpoint.store import load_checkpoint
 from hpc_asyncppo.runlog import read_jsonl
-from tests.conftest import REPO
+from tests.harness import REPO, Run
 
 # 2 prompts x 8 responses a step, a sync every 2 steps, checkpoints after steps 2 and 4
 RUN = ["trainer.total_steps=4", "actor.ppo_mini_batch_size=2", "checkpoint.save_every=2",
@@ -29,9 +29,7 @@ RUN = ["trainer.total_steps=4", "actor.ppo_mini_batch_size=2", "checkpoint.save_
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("inspect") / "run"
-    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local",
-           "--run-dir", str(run_dir), *RUN]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    proc = Run.start(run_dir, *RUN).finish()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return run_dir
 

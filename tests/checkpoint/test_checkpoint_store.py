@@ -25,7 +25,7 @@ from hpc_asyncppo.checkpoint.store import (
     set_rng_state,
     verify_checkpoint,
 )
-from tests.conftest import REPO
+from tests.harness import REPO
 
 
 def assert_same(a, b, where="tree"):

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,19 +21,14 @@ from hpc_asyncppo.runlog import read_jsonl
 from hpc_asyncppo.tasks.next_digit import LEARNED_REWARD, UNTRAINED_REWARD_MAX
 from hpc_asyncppo.trainer.policy import Policy
 from hpc_asyncppo.transport.weights import pack, plan_buckets, unpack
-from tests.conftest import REPO, end_spawned_rank
+from tests.conftest import end_spawned_rank
+from tests.harness import Run
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def submit_local(run_dir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local",
-           "--run-dir", str(run_dir), *args]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout)
 
 
 def test_weight_buckets_on_the_gpu_are_bit_exact() -> None:
@@ -78,7 +71,7 @@ def test_rollout_log_probs_match_the_trainers_on_the_gpu(
 def test_default_job_learns_on_the_gpu(tmp_path: Path) -> None:
     """The README's first command on a GPU machine: both roles on CUDA, and it learns."""
     run_dir = tmp_path / "run"
-    proc = submit_local(run_dir, "trainer.record_weight_digests=true")
+    proc = Run.start(run_dir, "trainer.record_weight_digests=true").finish()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rewards = [m["reward/mean"] for m in read_jsonl(run_dir / "metrics.jsonl")]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-20:]) / 20
@@ -99,7 +92,7 @@ def test_default_job_learns_on_the_gpu(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(GPUS != 1, reason="needs exactly one GPU")
 def test_trainer_ranks_sharing_a_gpu_are_refused_with_a_clear_error(tmp_path: Path) -> None:
-    proc = submit_local(tmp_path / "run", "--train-ranks", "2", timeout=300)
+    proc = Run.start(tmp_path / "run", train_ranks=2).finish()
     assert proc.returncode != 0
     assert "2 trainer ranks but this machine shows 1 GPU(s)" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr

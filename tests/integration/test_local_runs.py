@@ -7,107 +7,15 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from hpc_asyncppo.runlog import read_jsonl, split_metrics
+from hpc_asyncppo.runlog import read_jsonl
 from hpc_asyncppo.runtime.heartbeat import interval_s
-from tests.conftest import REPO, submit_local
+from tests.harness import SMALL, SMALL_AUDITED, Run, check_audit, check_weights_match, sent_versions
 
 pytestmark = pytest.mark.mpi
-
-# 4 prompts x 8 responses = 32 samples per step, a sync every 2 steps
-SMALL = [
-    "trainer.total_steps=6",
-    "actor.ppo_mini_batch_size=4",
-    "async_training.trigger_parameter_sync_step=2",
-    "trainer.record_weight_digests=true",
-    "rollout.record_sent_groups=true",
-    "timeouts.sample_wait_s=120",
-]
-
-
-def submit(run_dir: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return submit_local("--run-dir", str(run_dir), *args, timeout=timeout)
-
-
-def sent_versions(run_dir: Path, partial: bool = False, resent: bool = False) -> dict[str, int]:
-    """uid prefix (seed, epoch, prompt) -> the weights version its rollout rank started the
-    group under, from the rollout ranks' own logs (not from anything the trainer wrote).
-    ``resent``: an attempt ended without a checkpoint, so groups it sent were generated
-    again after the resume; the last time a group was sent is the one that counts."""
-    rows = [
-        row for path in sorted((run_dir / "sent").glob("rank*.jsonl")) for row in read_jsonl(path)
-    ]
-    if resent:
-        rows.sort(key=lambda row: row["time"])
-    sent: dict[str, int] = {}
-    for row in rows:
-        assert resent or row["uid_prefix"] not in sent, f"group {row['uid_prefix']} sent twice"
-        # without partial rollout a group finishes under the weights it started with
-        if partial:
-            assert row["version_at_send"] >= row["version_generated"], row
-        else:
-            assert row["version_at_send"] == row["version_generated"], row
-        sent[row["uid_prefix"]] = row["version_generated"]
-    assert sent, "no rollout rank recorded a sent group (rollout.record_sent_groups)"
-    return sent
-
-
-def check_audit(
-    run_dir: Path, sync_every: int, max_staleness: int, partial: bool = False, resent: bool = False
-) -> list[dict]:
-    """Every trained sample's staleness against an independent record: the version its
-    rollout rank says it generated it under, and the version the trainer must hold at
-    that step by its sync schedule (version 0 first, a new one after every ``sync_every``
-    steps). Stale-dropped samples must be exactly those beyond ``max_staleness``."""
-    sent = sent_versions(run_dir, partial, resent)
-    metrics = {row["step"]: row for row in split_metrics(read_jsonl(run_dir / "metrics.jsonl"))[0]}
-    for step, row in metrics.items():
-        assert row["param_version"] == (step - 1) // sync_every, row
-    trained = read_jsonl(run_dir / "trained_samples.jsonl")
-    uids = [row["uid"] for row in trained]
-    assert len(uids) == len(set(uids)), "a sample was trained twice"
-    for row in trained:
-        generated = sent[row["uid"].rsplit("-r", 1)[0]]  # KeyError: trained but never sent
-        staleness = (row["step"] - 1) // sync_every - generated
-        assert row["param_version_start"] == generated, row
-        assert row["staleness"] == staleness, row
-        assert 0 <= staleness <= max_staleness, row
-    for row in read_jsonl(run_dir / "dropped_samples.jsonl"):
-        if row["reason"] == "stale":
-            generated = sent[row["uid"].rsplit("-r", 1)[0]]
-            assert (row["step"] - 1) // sync_every - generated > max_staleness, row
-    return trained
-
-
-def check_weights_match(
-    run_dir: Path, rollout_ranks: int, versions: int, restarts: bool = False
-) -> None:
-    """After every sync, every rollout rank holds exactly the trainer leader's weights.
-
-    With ``restarts`` a rank may lack the versions the leader published while its engine was
-    down (it gets the newest one when it rejoins), but what it holds is the leader's, and it
-    ends on the last version."""
-    leader = {
-        r["version"]: r["digest"]
-        for r in read_jsonl(run_dir / "weights" / f"rank{rollout_ranks}.jsonl")
-    }
-    assert sorted(leader) == list(range(versions))
-    for rank in range(rollout_ranks):
-        mine = {
-            r["version"]: r["digest"] for r in read_jsonl(run_dir / "weights" / f"rank{rank}.jsonl")
-        }
-        if restarts:
-            assert versions - 1 in mine, f"rollout rank {rank} does not end on the last version"
-            leader_held = {v: leader.get(v) for v in mine}
-            assert mine == leader_held, f"rollout rank {rank} differs from the trainer after a sync"
-        else:
-            assert mine == leader, f"rollout rank {rank} differs from the trainer after a sync"
 
 
 # One rollout rank beside a sharded trainer, and several of each. One trainer rank is
@@ -116,9 +24,9 @@ def check_weights_match(
 @pytest.mark.parametrize(("rollout_ranks", "train_ranks"), [(1, 2), (3, 2)])
 def test_topology_trains_syncs_and_stays_within_staleness(tmp_path, rollout_ranks, train_ranks):
     run_dir = tmp_path / "run"
-    proc = submit(
-        run_dir, "--rollout-ranks", str(rollout_ranks), "--train-ranks", str(train_ranks), *SMALL
-    )
+    proc = Run.start(
+        run_dir, *SMALL_AUDITED, rollout_ranks=rollout_ranks, train_ranks=train_ranks
+    ).finish()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 7))
@@ -140,7 +48,7 @@ def test_topology_trains_syncs_and_stays_within_staleness(tmp_path, rollout_rank
 
 def test_sync_mode_is_on_policy(tmp_path):
     run_dir = tmp_path / "run"
-    proc = submit(run_dir, "--rollout-ranks", "2", *SMALL, "async_training.mode=sync")
+    proc = Run.start(run_dir, *SMALL_AUDITED, "async_training.mode=sync", rollout_ranks=2).finish()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     trained = check_audit(run_dir, sync_every=1, max_staleness=0)
     assert {row["staleness"] for row in trained} == {0}
@@ -152,12 +60,12 @@ def test_sync_mode_is_on_policy(tmp_path):
 def test_max_staleness_zero_drops_and_records_stale_samples(tmp_path):
     run_dir = tmp_path / "run"
     args = [
-        *SMALL,
+        *SMALL_AUDITED,
         "async_training.max_staleness=0",
         "async_training.staleness_threshold=1.0",
         "trainer.total_steps=8",
     ]
-    proc = submit(run_dir, "--rollout-ranks", "2", *args)
+    proc = Run.start(run_dir, *args, rollout_ranks=2).finish()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     trained = check_audit(run_dir, sync_every=2, max_staleness=0)
     dropped = read_jsonl(run_dir / "dropped_samples.jsonl")
@@ -176,10 +84,10 @@ def test_dynamic_sampling_drops_flat_groups_refills_the_batch_and_the_audit_bala
     even prompts, by this reward) is dropped with reason "filtered" and replaced, each step
     still trains a full batch, and every sent sample is trained or dropped exactly once."""
     run_dir = tmp_path / "run"
-    args = [*SMALL, "algorithm.filter_groups.enable=true",
+    args = [*SMALL_AUDITED, "algorithm.filter_groups.enable=true",
             "data.reward_fn=tests.integration.faults:flat_on_even_prompts",
             "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=2"]  # fmt: skip
-    proc = submit(run_dir, *args)
+    proc = Run.start(run_dir, *args).finish()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     trained = check_audit(run_dir, sync_every=2, max_staleness=4)
     assert len(trained) == 6 * 32  # refilled: a full batch every step
@@ -212,15 +120,14 @@ def test_a_failing_rank_is_restarted_once_then_stopped_as_a_crash_loop(tmp_path)
     the launcher restarts the job, which fails the same way with no checkpoint between, so
     it stops (not after trainer.max_restarts) and names the failure and the loop."""
     run_dir = tmp_path / "run"
-    proc = submit(
+    proc = Run.start(
         run_dir,
-        "--rollout-ranks",
-        "2",
         "trainer.total_steps=200",
         "trainer.restart_backoff_s=1",
         "data.reward_fn=tests.integration.faults:raise_on_rank1",
-    )
-    assert proc.returncode != 0  # submit's own timeout (240 s) is the bound: a hang fails
+        rollout_ranks=2,
+    ).finish()
+    assert proc.returncode != 0  # the harness's HANG_S is the bound: a hang fails
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "not restarted: a crash loop" in errors[0], proc.stderr
     assert "restarting it from its newest checkpoint in 1 s (restart 1 of 3)" in proc.stderr
@@ -237,38 +144,20 @@ def test_a_failing_rank_is_restarted_once_then_stopped_as_a_crash_loop(tmp_path)
 
 
 def test_a_killed_rank_ends_the_job_within_bounded_time(tmp_path):
+    """The trainer leader (world rank 2) killed as it begins step 3 (a fault at a named
+    moment): the launcher names it and ends the job, with no restart left to make."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", "--run-dir", str(run_dir),
-           "--rollout-ranks", "2", "trainer.total_steps=100000", "trainer.max_restarts=0",
-           "data.reward_fn=tests.integration.faults:slow"]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while len(read_jsonl(run_dir / "metrics.jsonl")) < 3:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the run never got going"
-            time.sleep(0.5)
-        victim = json.loads((run_dir / "ranks" / "rank1.json").read_text())
-        os.kill(victim["pid"], signal.SIGKILL)
-        out, err = proc.communicate(timeout=180)  # only a hang takes this long
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    run = Run.start(run_dir, "trainer.total_steps=100000", "trainer.max_restarts=0",
+                    rollout_ranks=2, env={"HPC_ASYNCPPO_FAULTS": "kill_rank@step=3:rank=2"})  # fmt: skip
+    proc = run.finish()
+    err = proc.stderr
+    victim = run.rank_info(2)
     assert proc.returncode != 0
+    assert [m["step"] for m in run.metrics()] == [1, 2], err  # it died before step 3
     assert (
-        f"rank 1 (rollout, {victim['host']}, pid {victim['pid']}) died: killed by signal 9" in err
+        f"rank 2 (trainer, {victim['host']}, pid {victim['pid']}) died: killed by signal 9" in err
     ), err
     assert "not restarted: trainer.max_restarts=0 restarts made" in err, err
-
-
-def wait_for(proc: subprocess.Popen, done, what: str, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert proc.poll() is None, (what, proc.communicate())
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.2)
 
 
 def test_killed_and_stopped_ranks_restart_the_job_which_trains_every_sample_once(tmp_path):
@@ -280,23 +169,13 @@ def test_killed_and_stopped_ranks_restart_the_job_which_trains_every_sample_once
     the failed attempts' lost work recorded."""
     run_dir = tmp_path / "run"
     steps, stall_s = 14, 10
-    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", "--run-dir", str(run_dir),
-           "--rollout-ranks", "1", "--train-ranks", "2", "actor.ppo_mini_batch_size=4",
-           "data.num_prompts=64", f"trainer.total_steps={steps}", "checkpoint.save_every=3",
-           "trainer.restart_backoff_s=1", "timeouts.sample_wait_s=120",
-           f"trainer.stall_timeout_s={stall_s}",
-           "data.reward_fn=tests.integration.faults:slow"]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    run = Run.start(run_dir, *SMALL, f"trainer.total_steps={steps}", "checkpoint.save_every=3",
+                    "trainer.restart_backoff_s=1", f"trainer.stall_timeout_s={stall_s}",
+                    "data.reward_fn=tests.integration.faults:slow",
+                    rollout_ranks=1, train_ranks=2)  # fmt: skip
+    attempts = run.attempts
     stopped: list[int] = []
     try:
-
-        def pid_of(rank: int) -> int:
-            return json.loads((run_dir / "ranks" / f"rank{rank}.json").read_text())["pid"]
-
-        def attempts() -> list[dict]:
-            return read_jsonl(run_dir / "goodput.jsonl")
 
         def trained_to(step: int):
             return lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= step
@@ -304,27 +183,25 @@ def test_killed_and_stopped_ranks_restart_the_job_which_trains_every_sample_once
         def attempt_ends(count: int, after: float):
             """Not before the stall timeout (less the beat that may have come just before
             the stop); how long after it is the machine's pace, bounded by the hang limit."""
-            wait_for(proc, lambda: len(attempts()) == count, "the restart")
+            run.wait_until(lambda: len(attempts()) == count, "the restart")
             ended = attempts()[count - 2]["end"]
             assert ended - after >= stall_s - interval_s(stall_s), (ended - after, attempts())
 
-        wait_for(proc, trained_to(4), "the first attempt's fourth step")
-        os.kill(pid_of(0), signal.SIGKILL)  # the rollout rank
-        wait_for(proc, lambda: len(attempts()) == 2, "the restart")
+        run.wait_until(trained_to(4), "the first attempt's fourth step")
+        run.signal_rank(0, signal.SIGKILL)  # the rollout rank
+        run.wait_until(lambda: len(attempts()) == 2, "the restart")
         for rank in (2, 0):  # a trainer follower (1 is the leader), then the rollout rank
             resumed_at = attempts()[-1]["resumed_step"]
-            wait_for(proc, trained_to(resumed_at + 4), "the next attempt's steps")
-            stopped.append(pid_of(rank))
-            os.kill(stopped[-1], signal.SIGSTOP)
+            run.wait_until(trained_to(resumed_at + 4), "the next attempt's steps")
+            stopped.append(run.signal_rank(rank, signal.SIGSTOP))
             # named after stall_s, the attempt then ends as for a dead rank
             attempt_ends(len(attempts()) + 1, time.time())
-        out, err = proc.communicate(timeout=300)
+        proc = run.finish()
     finally:
-        if proc.poll() is None:
-            proc.kill()
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+    out, err = proc.stdout, proc.stderr
     assert proc.returncode == 0, out + err
     assert err.count("restarting it from its newest checkpoint") == 3, err
     rows = attempts()

@@ -7,10 +7,8 @@ export, merged or as a PEFT adapter folder, gives the trainer's logits."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,8 +22,7 @@ from hpc_asyncppo.models.tiny import build_tokenizer
 from hpc_asyncppo.runlog import read_jsonl
 from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.policy import Policy
-from tests.conftest import REPO
-from tests.integration.test_local_runs import check_audit, check_weights_match
+from tests.harness import REPO, Run, check_audit, check_weights_match
 
 pytestmark = pytest.mark.mpi
 CPU = torch.device("cpu")
@@ -48,10 +45,6 @@ def qwen2_model(out: Path) -> Path:
     return out
 
 
-def submit(*args: str) -> list[str]:
-    return [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", *args]
-
-
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """10 steps: SIGTERM after step 3 on two trainer ranks, the rest resumed on one."""
@@ -64,21 +57,10 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             # a sync after every step: a checkpoint taken between syncs goes out as a new
             # version on resume, which check_audit's sync schedule does not model
             "async_training.trigger_parameter_sync_step=1"]  # fmt: skip
-    proc = subprocess.Popen(
-        submit("--run-dir", str(run), "--train-ranks", "2", *args),
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 300
-    while len(read_jsonl(run / "metrics.jsonl")) < 3:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 143 and "continue with" in err, out + err
-    done = subprocess.run(
-        submit("--resume", str(run), "--train-ranks", "1"),
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    job = Run.start(run, *args, train_ranks=2)
+    job.wait_for_step(3)
+    job.stop()  # exit 143, "continue with" the resume
+    done = job.resume(train_ranks=1).finish()
     assert done.returncode == 0, done.stdout + done.stderr
     return run
 

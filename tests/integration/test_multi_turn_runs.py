@@ -6,13 +6,7 @@ BENCHMARKS.md ("Multi-turn tool task")."""
 
 from __future__ import annotations
 
-import contextlib
 import re
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,8 +17,7 @@ from hpc_asyncppo.models.tiny import TinyTokenizer
 from hpc_asyncppo.runlog import read_jsonl, split_metrics
 from hpc_asyncppo.tasks.next_digit import write_prompts
 from hpc_asyncppo.tasks.tool_lookup import CALL, generate_prompts, lookup_tool_config
-from tests.conftest import REPO
-from tests.integration.test_local_runs import check_audit
+from tests.harness import Run, check_audit
 
 pytestmark = pytest.mark.mpi
 
@@ -40,24 +33,6 @@ MULTI_TURN = [
     "rollout.record_sent_groups=true",
     "timeouts.sample_wait_s=120",
 ]
-
-
-def launch(run_dir: Path, *args: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local",
-           "--run-dir", str(run_dir), *args]  # fmt: skip
-    return subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-
-
-def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int) -> None:
-    deadline = time.monotonic() + 300  # a hang's bound, not a speed
-    while len(read_jsonl(run_dir / "metrics.jsonl")) < steps:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            raise AssertionError(f"{steps} steps not reached: {proc.communicate()}")
-        time.sleep(0.1)
 
 
 @pytest.mark.timeout(900)
@@ -80,11 +55,9 @@ def test_a_tool_run_stopped_mid_turn_resumes_every_trajectory_once_and_learns(tm
     args = [*MULTI_TURN, f"rollout.multi_turn.tool_config_path={tools}",
             f"trainer.total_steps={steps}", "checkpoint.save_every=0",
             f"data.val={val}", "trainer.test_freq=60"]  # fmt: skip
-    proc = launch(run_dir, "--rollout-ranks", "2", *args)
-    wait_for_steps(proc, run_dir, 10)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, out + err
+    run = Run.start(run_dir, *args, rollout_ranks=2)
+    run.wait_for_step(10)
+    run.stop()  # exit 143
     (folder,) = list_checkpoints(run_dir)[:1]
     cut = []
     for rank in (0, 1):
@@ -104,11 +77,7 @@ def test_a_tool_run_stopped_mid_turn_resumes_every_trajectory_once_and_learns(tm
     assert all("tools" in g for g in cut)  # the tool's state rides along (JSON bytes)
 
     (run_dir / "tool_config.yaml").write_text(lookup_tool_config("0"))
-    done = subprocess.run(
-        [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", "--resume",
-         str(run_dir), "--rollout-ranks", "1"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    done = run.resume(rollout_ranks=1).finish()
     assert done.returncode == 0, done.stdout + done.stderr
     log = (run_dir / "logs" / "rank0.log").read_text()
     resumed = re.search(r"(\d+) cut groups resumed, (\d+) tokens to generate again", log)

@@ -7,9 +7,7 @@ import collections
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,7 +19,7 @@ from hpc_asyncppo.models.tiny import build_tiny_model
 from hpc_asyncppo.runlog import read_jsonl
 from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.prompts import PromptOrder
-from tests.conftest import REPO, SMALL, submit_local
+from tests.harness import SMALL, Run
 
 pytestmark = pytest.mark.mpi
 
@@ -41,23 +39,6 @@ def prompts_generated(rows: list[dict]) -> collections.Counter:
     return responses
 
 
-def interrupt_after(run_dir: Path, args: list[str], steps_seen: int) -> int:
-    """Start a run, SIGTERM the launcher once metrics.jsonl has ``steps_seen`` rows."""
-    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", *args]
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.monotonic() + 180
-    while len(read_jsonl(run_dir / "metrics.jsonl")) < steps_seen:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert "continue with" in err, err
-    return proc.returncode
-
-
 def test_a_run_stopped_twice_and_resumed_on_other_rank_counts_trains_every_sample_once(tmp_path):
     """Fully async with periodic checkpoints between the stops: 2 rollout x 2 trainer ranks,
     stopped by SIGTERM; resumed on 1 x 1, stopped again; finished on 3 x 1. The data order
@@ -69,18 +50,19 @@ def test_a_run_stopped_twice_and_resumed_on_other_rank_counts_trains_every_sampl
     launched = []  # each submit's (start, exit), measured outside it
     args = [*SMALL, f"trainer.total_steps={steps}", "checkpoint.save_every=7",
             "async_training.staleness_threshold=0.5", "data.reward_fn=tests.integration.faults:slow"]  # fmt: skip
-    first = ["--run-dir", str(run_dir), "--rollout-ranks", "2", "--train-ranks", "2", *args]
     launched.append(time.time())
-    assert interrupt_after(run_dir, first, 9) == 143
+    run = Run.start(run_dir, *args, rollout_ranks=2, train_ranks=2)
+    run.wait_for_step(9)
+    run.stop()  # exit 143
     launched[-1] = (launched[-1], time.time())
     assert (run_dir / "preempted").exists()
-    resumed = ["--resume", str(run_dir), "--rollout-ranks", "1", "--train-ranks", "1"]
     launched.append(time.time())
-    assert interrupt_after(run_dir, resumed, 24) == 143
+    run.resume(rollout_ranks=1, train_ranks=1).wait_for_step(24)
+    run.stop()  # exit 143
     launched[-1] = (launched[-1], time.time())
     assert json.loads((run_dir / "launch.json").read_text())["rollout_ranks"] == 1
     launched.append(time.time())
-    done = submit_local("--resume", str(run_dir), "--rollout-ranks", "3")
+    done = run.resume(rollout_ranks=3).finish()
     launched[-1] = (launched[-1], time.time())
     assert done.returncode == 0, done.stderr
     assert not (run_dir / "preempted").exists()
@@ -128,7 +110,7 @@ def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """6 steps on 2 trainer ranks, checkpoints at steps 2, 4 and 6. Tests change a copy."""
     run_dir = tmp_path_factory.mktemp("two_rank_run") / "run"
     args = ["--train-ranks", "2", *SMALL, "trainer.total_steps=6", "checkpoint.save_every=2"]
-    proc = submit_local("--run-dir", str(run_dir), *args)
+    proc = Run.start(run_dir, *args).finish()
     assert proc.returncode == 0, proc.stderr
     return run_dir
 
@@ -147,7 +129,7 @@ def test_a_corrupt_or_missing_part_is_named_and_its_checkpoint_skipped(two_rank_
     raw = bytearray(part.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     part.write_bytes(bytes(raw))
-    resumed = submit_local("--resume", str(run_dir), "trainer.total_steps=8")
+    resumed = Run(run_dir).resume("trainer.total_steps=8").finish()
     assert resumed.returncode == 0, resumed.stderr
     warnings = [line for line in resumed.stderr.splitlines() if "trainer1.h5" in line]
     assert len(warnings) == 1 and "step_00000006" in warnings[0], resumed.stderr
@@ -155,7 +137,7 @@ def test_a_corrupt_or_missing_part_is_named_and_its_checkpoint_skipped(two_rank_
     # a part gone from every checkpoint: refused before any rank starts, one line each
     for folder in list_checkpoints(run_dir):
         (folder / "rollout0.h5").unlink()
-    failed = submit_local("--resume", str(run_dir), "trainer.total_steps=10")
+    failed = Run(run_dir).resume("trainer.total_steps=10").finish()
     assert failed.returncode == 2
     assert "no valid checkpoint" in failed.stderr
     assert failed.stderr.count("part rollout0.h5 is missing") == len(list_checkpoints(run_dir))
@@ -166,14 +148,12 @@ def test_a_rank_killed_while_parts_are_written_leaves_the_previous_checkpoint(tm
     args = ["--train-ranks", "2", *SMALL, "trainer.total_steps=6", "checkpoint.save_every=2",
             "trainer.max_restarts=0"]  # the resume below, by hand  # fmt: skip
     # world rank 2 (trainer1.h5) killed once its part of step 4 is written, before the commit
-    env = {**os.environ, "HPC_ASYNCPPO_FAULTS": "kill_rank@part_written=4:rank=2"}
-    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local",
-           "--run-dir", str(run_dir), *args]  # fmt: skip
-    killed = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+    run = Run.start(run_dir, *args, env={"HPC_ASYNCPPO_FAULTS": "kill_rank@part_written=4:rank=2"})
+    killed = run.finish()
     assert killed.returncode != 0 and "killed by signal 9" in killed.stderr, killed.stderr
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000002"]
     assert (run_dir / "checkpoints" / "step_00000004" / "trainer1.h5").exists()  # no manifest
-    resumed = submit_local("--resume", str(run_dir))
+    resumed = run.resume().finish()
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout and "step_00000002" in resumed.stdout
     trained = [r["uid"] for r in read_jsonl(run_dir / "trained_samples.jsonl")]
@@ -198,7 +178,7 @@ def test_checkpoint_of_another_model_shape_is_refused(two_rank_run, tmp_path):
     other = build_tiny_model(
         tmp_path / "wide", load_task(DataConfig()).vocabulary(), TinyModelConfig(hidden_size=32), 1
     )
-    resumed = submit_local("--resume", str(run_dir), f"model.path={other}", "trainer.total_steps=8")
+    resumed = Run(run_dir).resume(f"model.path={other}", "trainer.total_steps=8").finish()
     assert resumed.returncode != 0
     assert "has shape" in resumed.stderr and "the model has" in resumed.stderr
 
@@ -208,7 +188,7 @@ def test_slow_trainer_spills_to_the_overflow_file_and_loses_nothing(tmp_path):
     args = ["--rollout-ranks", "2", *SMALL, "trainer.total_steps=12", "actor.ppo_epochs=8",
             "async_training.staleness_threshold=3", "async_training.max_staleness=2",
             "buffer.memory_limit_mb=0.005", "checkpoint.save_every=5"]  # fmt: skip
-    proc = submit_local("--run-dir", str(run_dir), *args)
+    proc = Run.start(run_dir, *args).finish()
     assert proc.returncode == 0, proc.stderr
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert max(m["queue/spilled_groups"] for m in metrics) > 0, "nothing spilled"
@@ -230,8 +210,9 @@ def test_after_a_resume_every_version_names_one_weight_set(tmp_path):
     run_dir = tmp_path / "run"
     args = [*SMALL, "trainer.total_steps=3", "async_training.trigger_parameter_sync_step=2",
             "checkpoint.save_every=0", "trainer.record_weight_digests=true"]  # fmt: skip
-    assert submit_local("--run-dir", str(run_dir), *args).returncode == 0
-    resumed = submit_local("--resume", str(run_dir), "trainer.total_steps=6")
+    run = Run.start(run_dir, *args)
+    assert run.finish().returncode == 0
+    resumed = run.resume("trainer.total_steps=6").finish()
     assert resumed.returncode == 0, resumed.stderr
     leader = read_jsonl(run_dir / "weights" / "rank1.jsonl")
     digests: dict[int, set[str]] = collections.defaultdict(set)
@@ -281,21 +262,14 @@ def test_a_stop_on_a_full_disk_still_requeues_from_the_previous_checkpoint(small
     batch script requeues on), with the reason in one line and no half-written checkpoint;
     once there is room again it resumes from the checkpoint before, losing nothing."""
     run_dir = small_disk / "run"
-    first = submit_local("--run-dir", str(run_dir), *SMALL, "trainer.total_steps=3")
+    run = Run.start(run_dir, *SMALL, "trainer.total_steps=3")
+    first = run.finish()
     assert first.returncode == 0, first.stderr  # its final checkpoint: step 3
-    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local",
-           "--resume", str(run_dir), "trainer.total_steps=400", "checkpoint.save_every=0",
-           "data.reward_fn=tests.integration.faults:slow"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
-    deadline = time.monotonic() + 180
-    while len(read_jsonl(run_dir / "metrics.jsonl")) < 6:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.2)
+    run.resume("trainer.total_steps=400", "checkpoint.save_every=0",
+               "data.reward_fn=tests.integration.faults:slow")  # fmt: skip
+    run.wait_for_step(6)
     filler = fill(small_disk, leave=256 * 1024)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err
+    err = run.stop().stderr  # exit 143
     failed = [
         line for line in err.splitlines() if "checkpoint at step" in line and "failed" in line
     ]
@@ -305,7 +279,7 @@ def test_a_stop_on_a_full_disk_still_requeues_from_the_previous_checkpoint(small
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000003"]
     assert not [p for p in (run_dir / "checkpoints").rglob("*") if p.name.startswith(".")]
     filler.unlink()  # room again
-    done = submit_local("--resume", str(run_dir), "trainer.total_steps=8")
+    done = run.resume("trainer.total_steps=8").finish()
     assert done.returncode == 0, done.stderr
     assert "step_00000003" in done.stdout
     trained = [r["uid"] for r in read_jsonl(run_dir / "trained_samples.jsonl")]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,16 +13,9 @@ import torch
 
 from hpc_asyncppo.checkpoint.protocol import read_full, read_manifest, step_dir
 from hpc_asyncppo.runlog import read_jsonl
-from tests.conftest import SMALL, final_weights, submit_local
+from tests.harness import SMALL, Run, final_weights
 
 pytestmark = pytest.mark.mpi
-
-
-def submit(run_dir: Path | None, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    where = ["--run-dir", str(run_dir)] if run_dir is not None else []
-    proc = submit_local(*where, *args, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
 
 
 def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -45,7 +37,7 @@ def test_sync_runs_end_equal_whatever_the_split_and_resume_exactly_onto_any_coun
     }
     weights = {}
     for name, flags in splits.items():
-        submit(tmp_path / name, *flags, *common, "trainer.total_steps=8")
+        Run.start(tmp_path / name, *flags, *common, "trainer.total_steps=8").finish(expect=0)
         weights[name] = final_weights(tmp_path / name, 8)
     rewards = {
         n: [m["reward/mean"] for m in read_jsonl(tmp_path / n / "metrics.jsonl")] for n in splits
@@ -54,9 +46,10 @@ def test_sync_runs_end_equal_whatever_the_split_and_resume_exactly_onto_any_coun
     assert relative_difference(weights["one"], weights["two_micro4"]) <= 1e-4
 
     whole, half, moved = tmp_path / "two_micro4", tmp_path / "half", tmp_path / "moved"
-    submit(half, *splits["two_micro4"], *common, "trainer.total_steps=4")
+    run = Run.start(half, *splits["two_micro4"], *common, "trainer.total_steps=4")
+    run.finish(expect=0)
     shutil.copytree(half, moved)  # the same first half, to resume on another rank count
-    submit(None, "--resume", str(half), "trainer.total_steps=8")
+    run.resume("trainer.total_steps=8").finish(expect=0)
     a, b = weights["two_micro4"], final_weights(half, 8)
     assert a.keys() == b.keys()
     for name in a:
@@ -64,7 +57,7 @@ def test_sync_runs_end_equal_whatever_the_split_and_resume_exactly_onto_any_coun
     rows = {d: [r["uid"] for r in read_jsonl(d / "trained_samples.jsonl")] for d in (whole, half)}
     assert rows[whole] == rows[half]
     # written by 2 trainer ranks, resumed on 1: the shards are re-cut, the run goes on
-    submit(None, "--resume", str(moved), "--train-ranks", "1", "trainer.total_steps=8")
+    Run(moved).resume("trainer.total_steps=8", train_ranks=1).finish(expect=0)
     assert relative_difference(a, final_weights(moved, 8)) <= 1e-4
     rows = [r["uid"] for r in read_jsonl(moved / "trained_samples.jsonl")]
     assert rows == [r["uid"] for r in read_jsonl(whole / "trained_samples.jsonl")]
@@ -84,11 +77,11 @@ def test_value_head_reference_entropy_epochs_and_mini_batches_in_bf16_on_two_ran
     ranks; the checkpoint holds fp32 master weights. (That small bf16 updates survive in
     them: test_policy's test_bf16_compute_keeps_fp32_master_weights_that_take_small_updates.)"""
     run_dir = tmp_path / "run"
-    submit(run_dir, "--train-ranks", "2", *SMALL, "model.dtype=bfloat16",
-           "algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1",
-           "actor.entropy_coeff=0.01", "actor.ppo_epochs=2", "async_training.require_batches=2",
-           "async_training.use_rollout_log_probs=true", "algorithm.rollout_is=none",
-           "trainer.total_steps=6")  # fmt: skip
+    Run.start(run_dir, *SMALL, "model.dtype=bfloat16",
+              "algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1",
+              "actor.entropy_coeff=0.01", "actor.ppo_epochs=2", "async_training.require_batches=2",
+              "async_training.use_rollout_log_probs=true", "algorithm.rollout_is=none",
+              "trainer.total_steps=6", train_ranks=2).finish(expect=0)  # fmt: skip
     keys = ["critic/vf_loss", "actor/kl_loss", "actor/entropy", "actor/pg_loss",
             "actor/grad_norm", "actor/ppo_kl"]  # fmt: skip
     metrics = finite_metrics(run_dir, keys)
@@ -104,10 +97,11 @@ def test_value_head_reference_entropy_epochs_and_mini_batches_in_bf16_on_two_ran
 
 def test_importance_weights_token_budget_checkpointing_and_lr_schedule(tmp_path):
     run_dir = tmp_path / "run"
-    submit(run_dir, "--train-ranks", "2", *SMALL, "actor.lr=1e-3", "algorithm.rollout_is=token",
-           "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=40",
-           "actor.gradient_checkpointing=true", "actor.lr_scheduler=cosine",
-           "actor.lr_warmup_steps=2", "actor.min_lr_ratio=0.1", "trainer.total_steps=6")  # fmt: skip
+    Run.start(run_dir, *SMALL, "actor.lr=1e-3", "algorithm.rollout_is=token",
+              "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=40",
+              "actor.gradient_checkpointing=true", "actor.lr_scheduler=cosine",
+              "actor.lr_warmup_steps=2", "actor.min_lr_ratio=0.1", "trainer.total_steps=6",
+              train_ranks=2).finish(expect=0)  # fmt: skip
     metrics = finite_metrics(run_dir, ["actor/pg_loss", "actor/lr"])
     lrs = [m["actor/lr"] for m in metrics]  # the rate of the next step, after each step
     assert lrs[0] == pytest.approx(0.5e-3) and lrs[1] == pytest.approx(1e-3)

@@ -15,8 +15,7 @@ import pytest
 from hpc_asyncppo.runlog import read_jsonl, split_metrics
 from hpc_asyncppo.tasks import next_digit
 from hpc_asyncppo.tasks.next_digit import LEARNED_REWARD, UNTRAINED_REWARD_MAX, write_prompts
-from tests.conftest import REPO
-from tests.integration.test_local_runs import check_audit, submit
+from tests.harness import REPO, Run, check_audit
 
 pytestmark = pytest.mark.mpi
 VAL_PROMPTS = 128
@@ -36,14 +35,13 @@ def validated_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     root = tmp_path_factory.mktemp("validated")
     held_out_prompts(root / "val.jsonl")
     run_dir = root / "run"
-    proc = submit(
+    proc = Run.start(
         run_dir,
         f"data.val={root / 'val.jsonl'}",
         "trainer.test_freq=50",
         "rollout.record_sent_groups=true",
         "timeouts.sample_wait_s=120",
-        timeout=420,
-    )
+    ).finish()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return run_dir, proc.stdout
 
@@ -130,28 +128,19 @@ def test_a_stop_signal_with_validations_in_flight_stops_and_the_resume_validates
     """SIGTERM while validations (every 2 steps, 4 sampled responses each) run beside
     training: the run stops with its checkpoint without waiting for them; the resumed run
     validates from its checkpoint's step on and every step is trained once."""
-    from tests.integration.test_resume import interrupt_after
-
     held_out_prompts(tmp_path / "val.jsonl")
     run_dir = tmp_path / "run"
     args = [
-        "--run-dir", str(run_dir), f"data.val={tmp_path / 'val.jsonl'}", "trainer.test_freq=2",
+        f"data.val={tmp_path / 'val.jsonl'}", "trainer.test_freq=2",
         "rollout.val_n=4", "rollout.val_temperature=1.0", "trainer.total_steps=24",
         "actor.ppo_mini_batch_size=4", "timeouts.sample_wait_s=120", "timeouts.rank_wait_s=60",
     ]  # fmt: skip
-    interrupt_after(run_dir, args, 8)
+    run = Run.start(run_dir, *args)
+    run.wait_for_step(8)
+    run.stop()  # exit 143, "continue with" the resume
     assert (run_dir / "preempted").exists()
     stopped_at = max(r["step"] for r in split_metrics(read_jsonl(run_dir / "metrics.jsonl"))[0])
-    cmd = [
-        sys.executable,
-        "-m",
-        "hpc_asyncppo.submit",
-        "--cluster",
-        "local",
-        "--resume",
-        str(run_dir),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    proc = run.resume().finish()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     steps, vals = split_metrics(read_jsonl(run_dir / "metrics.jsonl"))
     assert [r["step"] for r in steps] == list(range(1, 25))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.harness import REPO
 
 LOCAL_SLURM = REPO / "scripts" / "local_slurm.sh"
 

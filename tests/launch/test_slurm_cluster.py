@@ -20,7 +20,7 @@ from hpc_asyncppo.launch.slurm.cluster import ACTIVE_STATES, job_state
 from hpc_asyncppo.launch.slurm.executor import HetJobExecutor
 from hpc_asyncppo.launch.slurm.placement import slurm_placement
 from hpc_asyncppo.launch.slurm.script import TEMPLATE_PATH, sbatch_lines
-from tests.conftest import REPO
+from tests.harness import REPO
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("local_slurm")]
 

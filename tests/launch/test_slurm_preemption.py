@@ -26,7 +26,7 @@ import pytest
 from hpc_asyncppo.launch.slurm.cluster import ACTIVE_STATES, job_state
 from hpc_asyncppo.runlog import read_jsonl
 from hpc_asyncppo.trainer.prompts import PromptOrder
-from tests.conftest import REPO
+from tests.harness import REPO
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("local_slurm")]
 STEPS, PROMPTS = 40, 64

@@ -16,7 +16,7 @@ import pytest
 
 from hpc_asyncppo.config import load_config
 from hpc_asyncppo.launch.slurm.script import batch_script
-from tests.conftest import REPO
+from tests.harness import REPO
 
 PARTITIONS = (
     "PartitionName=rollout Default=YES MaxNodes=UNLIMITED Nodes=n1 State=UP TotalNodes=1\n"

@@ -15,7 +15,7 @@ from hpc_asyncppo.config import DataConfig, TinyModelConfig, load_config
 from hpc_asyncppo.models import tiny
 from hpc_asyncppo.models.tiny import TinyTokenizer, build_tiny_model, tiny_model
 from hpc_asyncppo.tasks import load_task, tokenize_prompt
-from tests.conftest import REPO
+from tests.harness import REPO
 
 WORDS = load_task(DataConfig()).vocabulary()
 

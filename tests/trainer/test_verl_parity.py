@@ -76,7 +76,7 @@ import torch
 
 from hpc_asyncppo.config import _CHOICES, Config
 from hpc_asyncppo.trainer import advantages, algos
-from tests.conftest import REPO
+from tests.harness import REPO
 
 WHEEL = REPO / "build/verl-reference/verl-0.7.1-py3-none-any.whl"
 WHEEL_SHA256 = "0f7fb1dd6a37d20f7d8795c65ed0d1b9797ffb9947f283bbefd758dced08e216"  # PyPI's
