@@ -175,7 +175,7 @@ class Run:
                     self.proc.terminate()
                 time.sleep(1)
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=60)  # then SIGKILL: a cleanup, not a check
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     if self.own_session:
