@@ -20,11 +20,11 @@ from __future__ import annotations
 import pytest
 
 from hpc_asyncppo.config import ConfigError, load_config
+from hpc_asyncppo.config.slurm import layout_problem
 from hpc_asyncppo.launch.gpus import (
     GpuLayoutError,
     bind_gpus,
     gpu_set,
-    layout_problem,
     local_gpu_set,
     rank_gpus,
 )
