@@ -111,7 +111,7 @@ def test_layout_problem_names_the_key_to_change() -> None:
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        # the check config.py had: TP above a rollout rank's GPUs
+        # TP above a rollout rank's GPUs
         (["slurm.rollout.gpus_per_node=4", "slurm.train.gpus_per_node=1",
           "rollout.tensor_parallel_size=2"], "each rollout rank has 1 GPU"),
         # more trainer ranks per node than GPUs
