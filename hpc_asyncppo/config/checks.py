@@ -200,7 +200,7 @@ def _check_combinations(cfg: Config) -> None:
 
 def _check_gpu_layout(cfg: Config) -> None:
     """Each Slurm rank gets its own GPUs: a rollout rank tensor_parallel_size, a trainer
-    rank one, every requested GPU in one rank's set (launch/gpus.py). Raises ConfigError."""
+    rank one, every requested GPU in one rank's set (``slurm.py``). Raises ConfigError."""
     problem = slurm_layout_problem(cfg.slurm, cfg.rollout.tensor_parallel_size)
     if problem:
         raise ConfigError(problem)
