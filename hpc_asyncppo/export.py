@@ -45,8 +45,8 @@ import torch
 from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.checkpoint.store import CheckpointError, fsync_dir, fsync_file
 from hpc_asyncppo.config import Config, load_resolved
+from hpc_asyncppo.models.dtypes import DTYPES
 from hpc_asyncppo.paths import CONFIG, MODEL
-from hpc_asyncppo.rollout.generation import DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class MergedWeights:
     ``scale`` B @ A where the checkpoint has adapters for it (fp32)."""
 
     def __init__(self, reader: protocol.ShardedReader, source: Path, scale: float):
-        from hpc_asyncppo.trainer.model import SafetensorsWeights
+        from hpc_asyncppo.models.safetensors_weights import SafetensorsWeights
 
         self.reader, self.base, self.scale = reader, SafetensorsWeights(source), scale
         self.adapters = set(reader.keys("model") or [])

@@ -316,7 +316,8 @@ def check_memory_check(device: torch.device, work: Path) -> str:
     submit command runs (memory.py): what it accepts and refuses, in its own words."""
     import json as _json
 
-    from hpc_asyncppo.config import ConfigError, check_memory, load_config
+    from hpc_asyncppo.config import ConfigError, load_config
+    from hpc_asyncppo.memory import check_memory
 
     if device.type == "cuda":
         gb = torch.cuda.get_device_properties(device).total_memory / 1e9

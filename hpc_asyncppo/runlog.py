@@ -15,6 +15,9 @@
 - ``sent/rank{i}.jsonl`` (with ``rollout.record_sent_groups``): one line per group a rollout
   rank sent: its uid prefix and the weights version it was generated under, written by
   the rollout rank itself: the record tests check the trainer's staleness against.
+- ``ranks/rank{i}.json``: where each rank runs and in what state (written by the rank,
+  ``launch/rundir.py:write_rank_info``); ``read_rank_info`` reads them all, for the
+  heartbeat watcher and ``status``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from hpc_asyncppo.paths import DROPPED, METRICS, SENT, TENSORBOARD, TRAINED, WEIGHTS
+from hpc_asyncppo.paths import DROPPED, METRICS, RANKS, SENT, TENSORBOARD, TRAINED, WEIGHTS
 
 if TYPE_CHECKING:  # not imported: the launcher reads metrics without torch (seconds to import)
     import torch
@@ -178,6 +181,11 @@ def record_weight_digest(run_dir: Path, rank: int, version: int, digest: str) ->
 
 def sent_groups_writer(run_dir: Path, rank: int) -> JsonlWriter:
     return JsonlWriter(run_dir / SENT / f"rank{rank}.jsonl")
+
+
+def read_rank_info(run_dir: Path) -> list[dict]:
+    """Every rank's ``ranks/rank{i}.json`` record, in file-name order."""
+    return [json.loads(p.read_text()) for p in sorted((run_dir / RANKS).glob("rank*.json"))]
 
 
 def truncate_to_step(run_dir: Path, step: int) -> None:

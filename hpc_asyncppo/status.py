@@ -22,9 +22,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from hpc_asyncppo import goodput
-from hpc_asyncppo.launch.rundir import error_line, read_rank_info
+from hpc_asyncppo.launch.rundir import error_line
 from hpc_asyncppo.paths import CONFIG, ERRORS, HEARTBEATS, JOB_ID, METRICS, RANKS, SLURM, TIMELINE
-from hpc_asyncppo.runlog import format_validation, read_jsonl, split_metrics
+from hpc_asyncppo.runlog import format_validation, read_jsonl, read_rank_info, split_metrics
 
 
 @dataclass

@@ -22,7 +22,6 @@ from typing import NoReturn
 from hpc_asyncppo.config import (
     Config,
     ConfigError,
-    check_memory,
     check_resume_compatible,
     config_warnings,
     load_config,
@@ -35,6 +34,7 @@ from hpc_asyncppo.launch.rundir import (
     report_resume_point,
 )
 from hpc_asyncppo.launch.slurm import cli as slurm_cli
+from hpc_asyncppo.memory import check_memory
 from hpc_asyncppo.paths import CONFIG, LAUNCH
 
 

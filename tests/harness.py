@@ -25,9 +25,8 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 from hpc_asyncppo.checkpoint.protocol import read_full, read_manifest, step_dir
 from hpc_asyncppo.goodput import read_attempts
-from hpc_asyncppo.launch.rundir import read_rank_info
 from hpc_asyncppo.paths import LOGS, METRICS
-from hpc_asyncppo.runlog import read_jsonl, split_metrics
+from hpc_asyncppo.runlog import read_jsonl, read_rank_info, split_metrics
 
 if TYPE_CHECKING:
     import torch

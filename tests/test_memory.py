@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc_asyncppo.config import ConfigError, check_memory, load_config
-from hpc_asyncppo.memory import GB, ModelShape, trainer_terms
+from hpc_asyncppo.config import ConfigError, load_config
+from hpc_asyncppo.memory import GB, ModelShape, check_memory, trainer_terms
 from tests.conftest import QWEN2_5_7B_CONFIG
 
 

@@ -61,7 +61,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -70,6 +70,7 @@ from mpi4py import MPI
 from hpc_asyncppo.checkpoint.store import (
     CheckpointError,
     CheckpointReader,
+    StateReader,
     fsync_dir,
     fsync_file,
     rng_state,
@@ -80,9 +81,6 @@ from hpc_asyncppo.checkpoint.store import (
 from hpc_asyncppo.paths import CHECKPOINTS
 from hpc_asyncppo.runtime import faults
 from hpc_asyncppo.runtime.topology import ROLLOUT, Topology
-
-if TYPE_CHECKING:
-    from hpc_asyncppo.trainer.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -454,17 +452,26 @@ def read_full(folder: Path, section: str) -> dict[str, torch.Tensor]:
 # --- each rank's part, and what it reads on resume ------------------------------------------
 
 
-def trainer_tree(policy: Policy) -> dict:
+class ShardedState(Protocol):
+    """What a trainer rank's part holds beside its RNGs (the trainer's ``Policy``): its
+    shards as a tree, and how to read its own rows back from any number of old parts."""
+
+    def shard_tree(self) -> dict: ...
+
+    def load_state(self, reader: StateReader, source: str) -> None: ...
+
+
+def trainer_tree(policy: ShardedState) -> dict:
     """A trainer rank's part: its shards of the model and optimizer, and its RNGs."""
     return {**policy.shard_tree(), "rng": rng_state()}
 
 
-def write_trainer_part(folder: Path, policy: Policy, rank: int) -> PartInfo:
+def write_trainer_part(folder: Path, policy: ShardedState, rank: int) -> PartInfo:
     """Trainer rank ``rank``'s part, written (a CheckpointError or OSError if it cannot be)."""
     return write_part(folder, trainer_part(rank), trainer_tree(policy))
 
 
-def restore_trainer_part(folder: Path, policy: Policy, rank: int, ranks: int) -> dict:
+def restore_trainer_part(folder: Path, policy: ShardedState, rank: int, ranks: int) -> dict:
     """Load this rank's rows from the parts that hold them, and its RNGs when the
     checkpoint had a part of its number; returns the checkpoint's manifest."""
     manifest = read_manifest(folder)

@@ -17,8 +17,9 @@ The rank sets ``CUDA_VISIBLE_DEVICES`` to its set itself, before anything initia
 An existing ``CUDA_VISIBLE_DEVICES`` is respected: the sets index into it. Pure functions
 here (no torch), so they are unit-tested without a GPU; ``bind_gpus`` is the one that
 reads and writes the environment. They take the ``slurm:`` section and the rollout's
-tensor parallel size, not the whole config: the config's validation calls
-``slurm_layout_problem``, so this module must not import the config.
+tensor parallel size, not the whole config: the rule a layout must
+satisfy (``slurm_layout_problem``, ``gpus_per_rank``) is the config's
+(``config/slurm.py``), which refuses a broken layout at load.
 """
 
 from __future__ import annotations
@@ -28,70 +29,11 @@ import os
 import re
 from collections.abc import Mapping, MutableMapping, Sequence
 
-from hpc_asyncppo.launch.slurm.options import SlurmConfig
-
-ROLLOUT, TRAINER = "rollout", "trainer"  # as topology.ROLLOUT/TRAINER (that module imports torch)
+from hpc_asyncppo.config.slurm import ROLLOUT, TRAINER, SlurmConfig, gpus_per_rank
 
 
 class GpuLayoutError(ValueError):
     """A rank cannot get its GPUs; the message is one line saying what to change."""
-
-
-def gpus_per_rank(role: str, tensor_parallel_size: int) -> int:
-    """GPUs one rank of ``role`` must see: its engine's TP size (rollout) or one (trainer)."""
-    if role not in (ROLLOUT, TRAINER):
-        raise ValueError(f"unknown role {role!r}")
-    return tensor_parallel_size if role == ROLLOUT else 1
-
-
-def layout_problem(role: str, tasks_per_node: int, gpus_per_node: int, tp: int) -> str | None:
-    """Why ``tasks_per_node`` ranks of ``role`` cannot split ``gpus_per_node`` GPUs into one
-    set each (every GPU in exactly one rank's set); None if they can, or without GPUs."""
-    if not gpus_per_node:
-        return None
-    need = gpus_per_rank(role, tp)
-    used = tasks_per_node * need
-    if used == gpus_per_node:
-        return None
-    key = "rollout" if role == ROLLOUT else "train"
-    each = f"rollout.tensor_parallel_size={tp} GPU(s) each" if role == ROLLOUT else "one GPU each"
-    fix = f"set slurm.{key}.gpus_per_node={used}"
-    if gpus_per_node % need == 0:
-        fix = f"set slurm.{key}.ntasks_per_node={gpus_per_node // need} (or {fix[4:]})"
-    return (
-        f"slurm.{key}: {tasks_per_node} {role} rank(s) per node x {each} = {used} GPU(s), but "
-        f"slurm.{key}.gpus_per_node={gpus_per_node}: {fix}"
-    )
-
-
-def slurm_layout_problem(slurm: SlurmConfig, tensor_parallel_size: int) -> str | None:
-    """Why the Slurm components cannot give each rank its own GPUs (a rollout rank
-    ``tensor_parallel_size``, a trainer rank one, every requested GPU in one rank's set);
-    None if they can. The config's validation raises it as a ConfigError."""
-    rollout, train = slurm.rollout, slurm.train
-    if min(rollout.gpus_per_node, train.gpus_per_node, rollout.ntasks_per_node,
-           train.ntasks_per_node) < 0:  # fmt: skip
-        return None  # launch/slurm/checks.py refuses negative counts, naming the key
-    if rollout.gpus_per_node:
-        gpus_per_rank = rollout.gpus_per_node // rollout.tasks_per_node
-        if tensor_parallel_size > gpus_per_rank:
-            return (
-                f"rollout.tensor_parallel_size={tensor_parallel_size} but each rollout "
-                f"rank has {gpus_per_rank} GPU(s) (slurm.rollout.gpus_per_node="
-                f"{rollout.gpus_per_node} over {rollout.tasks_per_node} ranks per node); lower it "
-                "or set slurm.rollout.ntasks_per_node to gpus_per_node / tensor_parallel_size"
-            )
-    for role, c in ((ROLLOUT, rollout), (TRAINER, train)):
-        problem = layout_problem(role, c.tasks_per_node, c.gpus_per_node, tensor_parallel_size)
-        if problem:
-            return problem
-    if bool(rollout.gpus_per_node) != bool(train.gpus_per_node):
-        # One side on CPUs would put NCCL and gloo ranks in one weight-broadcast group.
-        return (
-            f"GPUs on one component only (slurm.rollout.gpus_per_node={rollout.gpus_per_node}, "
-            f"slurm.train.gpus_per_node={train.gpus_per_node}): request GPUs for both, or neither"
-        )
-    return None
 
 
 def gpu_set(

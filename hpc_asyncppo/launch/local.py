@@ -23,11 +23,11 @@ from hpc_asyncppo.launch import restarts
 from hpc_asyncppo.launch.progress import follow
 from hpc_asyncppo.launch.rundir import (
     rank_errors,
-    read_rank_info,
     report_resume_point,
     write_rank_error,
 )
 from hpc_asyncppo.paths import LOGS, PREEMPTED
+from hpc_asyncppo.runlog import read_rank_info
 from hpc_asyncppo.runtime import heartbeat, startup
 
 # Set by an MPI runtime for its own processes: a launcher that inherits them (started from a

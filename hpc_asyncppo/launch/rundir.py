@@ -214,10 +214,6 @@ def write_rank_info(
     tmp.replace(path)
 
 
-def read_rank_info(run_dir: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((run_dir / RANKS).glob("rank*.json"))]
-
-
 def write_rank_error(run_dir: Path, rank: int, message: str) -> None:
     (run_dir / ERRORS).mkdir(parents=True, exist_ok=True)
     (run_dir / ERRORS / f"rank{rank}.txt").write_text(message.strip() + "\n")

@@ -161,7 +161,7 @@ class BaseWeights:
     for the rollout side of a LoRA sync."""
 
     def __init__(self, path: str | Path):
-        from hpc_asyncppo.trainer.model import SafetensorsWeights
+        from hpc_asyncppo.models.safetensors_weights import SafetensorsWeights
 
         self.files = SafetensorsWeights(path)
 

@@ -1,4 +1,5 @@
-"""What the rollout loop needs from a generation engine, and the choice between the two.
+"""What the rollout loop needs from a generation engine (``RolloutEngine``), and how an
+engine says it died (``EngineDied``); ``engine_factory.py`` picks one of the two.
 
 ``hf`` (transformers ``generate``: any device, one batch at a time) and ``vllm``
 (continuous batching, in-place weight updates, interruptible for partial rollout). Both
@@ -18,9 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from hpc_asyncppo.config import Config
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup, ResponseGroup
-from hpc_asyncppo.rollout.hf_engine import HFEngine
 from hpc_asyncppo.transport.weight_group import WeightGroupSpec
 from hpc_asyncppo.transport.weights import WeightUpdate
 
@@ -97,19 +96,3 @@ class RolloutEngine(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-def make_engine(cfg: Config, device: torch.device) -> RolloutEngine:
-    """The engine ``cfg.rollout.engine`` names, for a rollout rank on ``device``."""
-    if cfg.rollout.engine == "vllm":
-        from hpc_asyncppo.rollout.vllm_engine import VLLMEngine  # vLLM is an optional install
-
-        return VLLMEngine(
-            cfg.model,
-            cfg.rollout,
-            device,
-            max_prompt_length=cfg.data.max_prompt_length,
-            seed=cfg.trainer.seed,
-            weight_sync_s=cfg.timeouts.weight_sync_s,
-        )
-    return HFEngine(cfg.model, cfg.rollout, device)

@@ -1,7 +1,6 @@
 """What both rollout engines produce and the trainer consumes: ``Generation`` (a prompt's n
 responses, their log-probs and per-token weight versions), ``PartialGroup`` (a group cut
-before its end: what a checkpoint keeps of it), the dtype names of ``model.dtype``, and
-where a response ends."""
+before its end: what a checkpoint keeps of it), and where a response ends."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from hpc_asyncppo.loss_mask import observation_spans
 
 
 @dataclass
@@ -112,7 +111,9 @@ class ResponseGroup:
                 g.log_probs[j, :length].tolist(),
                 g.versions[j, :length].tolist(),
                 bool(partial.finished[j]),
-                observations=spans(g.loss_mask[j, :length]) if g.loss_mask is not None else [],
+                observations=observation_spans(g.loss_mask[j, :length])
+                if g.loss_mask is not None
+                else [],
             )
             last_is_model = not r.observations or r.observations[-1][1] < length
             r.waiting = (
@@ -146,14 +147,6 @@ class ResponseGroup:
         """This group cut where it stands (for a checkpoint)."""
         finished = np.array([r.finished for r in self.responses], dtype=bool)
         return PartialGroup(list(self.prompt), self.generation(width, pad_id), finished)
-
-
-def spans(loss_mask: np.ndarray) -> list[tuple[int, int]]:
-    """The [start, end) runs of 0 in one response's loss mask: its observations."""
-    edges = np.diff(np.concatenate([[1], np.asarray(loss_mask, dtype=np.int8), [1]]))
-    return list(
-        zip(np.flatnonzero(edges == -1).tolist(), np.flatnonzero(edges == 1).tolist(), strict=True)
-    )
 
 
 def response_lengths(responses: torch.Tensor, eos_id: int) -> torch.Tensor:

@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, 
 
 from hpc_asyncppo.config import ModelConfig, RolloutConfig
 from hpc_asyncppo.models import lora
+from hpc_asyncppo.models.dtypes import DTYPES
 from hpc_asyncppo.rollout.generation import (
-    DTYPES,
     Generation,
     PartialGroup,
     Response,

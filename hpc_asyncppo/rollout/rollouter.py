@@ -66,7 +66,8 @@ import torch
 from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.checkpoint.store import CheckpointReader, rng_state, set_rng_state
 from hpc_asyncppo.config import Config
-from hpc_asyncppo.rollout.engine import EngineDied, RolloutEngine, make_engine
+from hpc_asyncppo.rollout.engine import EngineDied, RolloutEngine
+from hpc_asyncppo.rollout.engine_factory import make_engine
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup
 from hpc_asyncppo.rollout.turns import Turns, decode_state, encode_state
 from hpc_asyncppo.rollout.validation import Validator

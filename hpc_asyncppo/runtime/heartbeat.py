@@ -31,6 +31,7 @@ from pathlib import Path
 
 from hpc_asyncppo.goodput import ATTEMPT_START
 from hpc_asyncppo.paths import HEARTBEATS
+from hpc_asyncppo.runlog import read_rank_info
 
 EXITED = "exited"
 
@@ -135,8 +136,6 @@ class Watch:
         )
         if not quiet:
             return {}
-        from hpc_asyncppo.launch.rundir import read_rank_info
-
         info = {record["rank"]: record for record in read_rank_info(self.run_dir)}
         leader = min((r for r, i in info.items() if i.get("role") == "trainer"), default=None)
         lines = {}

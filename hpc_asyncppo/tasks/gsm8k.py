@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from hpc_asyncppo.tasks import Prompt
+from hpc_asyncppo.tasks.base import Prompt
 
 _FINAL = re.compile(r"#### *(-?[$0-9.,]+)")
 

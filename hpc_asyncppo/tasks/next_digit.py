@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hpc_asyncppo.config import ConfigError, DataConfig
-from hpc_asyncppo.tasks import Prompt
+from hpc_asyncppo.tasks.base import Prompt
 from hpc_asyncppo.tasks.jsonl import read_jsonl_prompts
 
 REPEATS = 4

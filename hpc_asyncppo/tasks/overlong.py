@@ -16,7 +16,7 @@ from typing import Any
 
 from hpc_asyncppo.config import ConfigError, DataConfig
 from hpc_asyncppo.paths import OVERLONG
-from hpc_asyncppo.tasks import Prompt, tokenize_prompt
+from hpc_asyncppo.tasks.base import Prompt, tokenize_prompt
 
 
 def find_overlong(

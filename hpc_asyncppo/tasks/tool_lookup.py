@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_asyncppo.config import ConfigError, DataConfig
-from hpc_asyncppo.tasks import Prompt
+from hpc_asyncppo.tasks.base import Prompt
 from hpc_asyncppo.tasks.jsonl import read_jsonl_prompts
 from hpc_asyncppo.tools.base import Tool, ToolResponse
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_asyncppo.config import ConfigError, DataConfig
-from hpc_asyncppo.tasks import Prompt
+from hpc_asyncppo.tasks.base import Prompt
 from hpc_asyncppo.tasks.gsm8k import gsm8k_reward
 from hpc_asyncppo.tasks.jsonl import DatasetError
 

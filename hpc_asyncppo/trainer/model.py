@@ -16,11 +16,7 @@ update normalises every loss over the whole mini-batch itself (``policy.py``).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -30,7 +26,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.models import lora as lora_lib
-from hpc_asyncppo.rollout.generation import DTYPES
+from hpc_asyncppo.models.dtypes import DTYPES
+from hpc_asyncppo.models.safetensors_weights import SafetensorsWeights
 
 
 class PolicyModule(nn.Module):
@@ -169,29 +166,6 @@ def set_full(tensor: torch.Tensor, full: torch.Tensor) -> None:
 def gather_full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor on every trainer rank (collective for a sharded one)."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-class SafetensorsWeights:
-    """Reads rows of tensors from an HF folder's safetensors files (one file or an index)."""
-
-    def __init__(self, folder: str | Path):
-        folder = Path(folder)
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            mapping = json.loads(index.read_text())["weight_map"]
-            self.files = {name: folder / file for name, file in mapping.items()}
-        elif (folder / "model.safetensors").is_file():
-            with safe_open(folder / "model.safetensors", "pt") as f:
-                self.files = {name: folder / "model.safetensors" for name in f.keys()}  # noqa: SIM118
-        else:
-            raise ValueError(f"model.path={str(folder)!r} has no model.safetensors (or its index)")
-
-    def read(self, name: str, rows: slice | None) -> torch.Tensor:
-        if name not in self.files:
-            raise ValueError(f"the model's safetensors files have no tensor {name!r}")
-        with safe_open(self.files[name], "pt") as f:
-            part = f.get_slice(name)
-            return part[rows] if rows is not None and part.get_shape() else part[:]
 
 
 def build_sharded(

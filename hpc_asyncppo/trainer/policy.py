@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 from hpc_asyncppo.checkpoint.store import CheckpointError, StateReader
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.models import lora as lora_lib
-from hpc_asyncppo.rollout.generation import DTYPES
+from hpc_asyncppo.models.dtypes import DTYPES
 from hpc_asyncppo.runtime.signals import stop_requested
 from hpc_asyncppo.trainer import advantages, algos
 from hpc_asyncppo.trainer.batch import plan_micro_batches, row_tokens, split_to_count, trim

@@ -16,8 +16,8 @@ import numpy as np
 
 from hpc_asyncppo import runlog
 from hpc_asyncppo.config import Config
+from hpc_asyncppo.loss_mask import observation_spans
 from hpc_asyncppo.paths import DROPPED, TRAINED
-from hpc_asyncppo.rollout.generation import spans
 from hpc_asyncppo.trainer.intake import Batch, staleness_of
 from hpc_asyncppo.trainer.progress import Progress
 from hpc_asyncppo.transport.samples import SampleGroup
@@ -138,7 +138,9 @@ class StepLog:
             for j in range(g.n):
                 length = int(g.response_lengths[j])
                 mask = g.loss_mask[j, :length] if g.loss_mask is not None else np.ones(length)
-                turns.append(len(spans(mask)) + 1)  # observations, and a model turn after each
+                turns.append(
+                    len(observation_spans(mask)) + 1
+                )  # observations, and a model turn after each
                 observed.append(length - int(mask.sum()))
         total = {k: sum(t[k] for t in self.tools.values()) for k in ("tool_calls", "tool_errors",
                  "tool_timeouts", "tool_s", "tool_wait_s", "trajectory_s")}  # fmt: skip

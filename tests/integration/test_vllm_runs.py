@@ -17,8 +17,7 @@ import pytest
 
 from hpc_asyncppo.checkpoint.protocol import list_checkpoints
 from hpc_asyncppo.checkpoint.store import CheckpointReader
-from hpc_asyncppo.launch.rundir import read_rank_info
-from hpc_asyncppo.runlog import read_jsonl
+from hpc_asyncppo.runlog import read_jsonl, read_rank_info
 from tests.conftest import vllm_environment
 from tests.harness import Run, check_audit, check_weights_match
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 import pytest
 
 from hpc_asyncppo.config import ConfigError, load_config
+from hpc_asyncppo.config.slurm import layout_problem
 from hpc_asyncppo.launch.gpus import (
     GpuLayoutError,
     bind_gpus,
     gpu_set,
-    layout_problem,
     local_gpu_set,
     rank_gpus,
 )
@@ -111,7 +111,7 @@ def test_layout_problem_names_the_key_to_change() -> None:
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        # the check config.py had: TP above a rollout rank's GPUs
+        # TP above a rollout rank's GPUs
         (["slurm.rollout.gpus_per_node=4", "slurm.train.gpus_per_node=1",
           "rollout.tensor_parallel_size=2"], "each rollout rank has 1 GPU"),
         # more trainer ranks per node than GPUs

@@ -7,10 +7,10 @@ import argparse
 import pytest
 
 from hpc_asyncppo.config import ConfigError, load_config
+from hpc_asyncppo.config.slurm import ComponentConfig, SlurmConfig
 from hpc_asyncppo.launch.slurm import cli
 from hpc_asyncppo.launch.slurm.checks import check_against_partitions, check_options
 from hpc_asyncppo.launch.slurm.cluster import combine_states, parse_job_states, parse_partitions
-from hpc_asyncppo.launch.slurm.options import ComponentConfig, SlurmConfig
 from hpc_asyncppo.launch.slurm.placement import het_group_of, slurm_placement
 
 # Two lines of `scontrol show partition -o` from the local test cluster (trimmed).

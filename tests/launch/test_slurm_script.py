@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hpc_asyncppo.config import load_config
-from hpc_asyncppo.launch.slurm.options import SlurmConfig
+from hpc_asyncppo.config.slurm import SlurmConfig
 from hpc_asyncppo.launch.slurm.script import (
     TEMPLATE_PATH,
     batch_script,

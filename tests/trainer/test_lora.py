@@ -15,7 +15,7 @@ from hpc_asyncppo.checkpoint.store import CheckpointError, TreeReader
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.gpu_check import random_batch
 from hpc_asyncppo.models import lora
-from hpc_asyncppo.rollout.generation import DTYPES
+from hpc_asyncppo.models.dtypes import DTYPES
 from hpc_asyncppo.trainer.batch import to_tensors
 from hpc_asyncppo.trainer.model import PolicyModule, gather_full
 from hpc_asyncppo.trainer.policy import Policy, ppo_update

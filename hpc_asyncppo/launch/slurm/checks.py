@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 
 from hpc_asyncppo.config import ConfigError
+from hpc_asyncppo.config.slurm import ComponentConfig, SlurmConfig
 from hpc_asyncppo.launch.slurm.cluster import Partition
-from hpc_asyncppo.launch.slurm.options import ComponentConfig, SlurmConfig
 
 COMPONENTS = ("rollout", "train")
 GPU_REQUESTS = ("gpus-per-task", "gpus-per-node", "gres")

@@ -13,8 +13,9 @@ import os
 import sys
 from pathlib import Path
 
-from hpc_asyncppo.config import ConfigError, check_memory, load_config
+from hpc_asyncppo.config import ConfigError, load_config
 from hpc_asyncppo.launch.rundir import RunDirError, prepare_run_dir
+from hpc_asyncppo.memory import check_memory
 
 
 def main(argv: list[str]) -> int:

@@ -14,7 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from hpc_asyncppo.launch.slurm.options import ComponentConfig, SlurmConfig
+from hpc_asyncppo.config.slurm import ComponentConfig, SlurmConfig
 from hpc_asyncppo.paths import CONFIG, PREEMPTED, RESTART, SLURM
 
 RANK_MODULE = "hpc_asyncppo.rank"
