@@ -22,10 +22,13 @@ pace (this machine is shared; the same suite has taken 15 and 30 minutes).
 
 from __future__ import annotations
 
+import json
 import os
+import resource
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
@@ -117,6 +120,34 @@ def end_spawned_rank(*queues: object) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+CPU_LOG_VARIABLE = "HPC_ASYNCPPO_TEST_CPU"
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of every child it has waited for (theirs too, down the
+    tree: a run's launcher, mpirun, its ranks), user and system."""
+    own, children = (
+        resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """With ``HPC_ASYNCPPO_TEST_CPU=FILE``: each test's CPU seconds (setup, call and
+    teardown; its runs' processes included, the Slurm cluster's not) and wall seconds, a
+    JSON line each, appended to FILE. On two cores the suite's time is bound by its CPU
+    (BENCHMARKS.md "The test suite's time"): this says where it goes."""
+    path = os.environ.get(CPU_LOG_VARIABLE)
+    cpu, wall = cpu_seconds(), time.monotonic()
+    yield
+    if path:
+        row = {"test": item.nodeid, "cpu_s": round(cpu_seconds() - cpu, 2),
+               "wall_s": round(time.monotonic() - wall, 2)}  # fmt: skip
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -118,7 +118,7 @@ def engine_processes(pids: list[int]) -> list[int]:
     return engine
 
 
-@pytest.mark.timeout(1500)  # two attempts and two engine restarts: see tests/harness.py HANG_S
+@pytest.mark.timeout(1500)  # two attempts and engine restarts: see tests/harness.py HANG_S
 def test_partial_rollout_stop_signals_and_dead_engines_lose_nothing(tmp_path):
     """vLLM with long responses, a sync every step, partial rollout and in-flight weight
     updates, in two attempts:
@@ -128,16 +128,18 @@ def test_partial_rollout_stop_signals_and_dead_engines_lose_nothing(tmp_path):
        job, vLLM's engine processes included: they ignore USR2 and SIGTERM; the rollout
        rank cuts its groups mid-response into the checkpoint and shuts vLLM down itself.
     2. Resumed on two rollout ranks at tensor_parallel_size=1 (workers of two ranks in the
-       weight group; old rank 0's cut groups continue on rank 0) and one trainer rank. Two
-       faults at named moments (``runtime/faults.py``), each in rank 0's vLLM worker as a
-       sync's weights arrive, before it loads them: at its engine's 2nd sync the worker
-       kills its engine core; at the restarted engine's 3rd sync it stops itself (SIGSTOP)
-       until ``rollout.engine_stall_s``. Each time the rank restarts its engine in place,
-       the leader has the weight group meet anew (rank 1's worker rejoins it too) and sends
-       the weights again, and the groups in flight continue from their tokens. (When the
-       leader's next broadcast began before rank 0's REJOIN reached it, rank 1, receiving
-       that broadcast, waits engine_stall_s and restarts its engine as well: a rank's
-       receive cannot be woken sooner.) The attempt finishes without a job restart.
+       weight group; old rank 0's cut groups continue on rank 0) and one trainer rank. A
+       fault at a named moment (``runtime/faults.py``), in rank 0's vLLM worker as the
+       weights of its engine's 2nd sync arrive, before it loads them: the worker kills its
+       engine core. The rank restarts its engine in place, the leader has the weight group
+       meet anew (rank 1's worker rejoins it too) and sends the weights again, and the
+       groups in flight continue from their tokens. (When the leader's next broadcast began
+       before rank 0's REJOIN reached it, rank 1, receiving that broadcast, waits
+       engine_stall_s and restarts its engine as well: a rank's receive cannot be woken
+       sooner.) The attempt finishes without a job restart. An engine that stalls instead
+       of dying ends the same way, as ``EngineDied``: its detection after
+       ``engine_stall_s``, named, is ``tests/rollout/test_vllm_engine.py``'s stopped-engine
+       test; from there the rank's restart is the one this test takes.
 
     Over both: the cut groups continued from their tokens, groups cut by syncs finished
     under newer weights (versions that changed mid-response), every sample was trained once
@@ -187,8 +189,8 @@ def test_partial_rollout_stop_signals_and_dead_engines_lose_nothing(tmp_path):
     lines = [len(read_jsonl(run_dir / "weights" / f"rank{rank}.jsonl")) for rank in (0, 1, 2)]
 
     # engine_stall_s 20 s: far beyond what a healthy engine starved of CPU goes without a
-    # step here, so that only the stopped worker counts as stalled
-    faults = "kill_engine@bucket=1:rank=0:sync=2,stop_rank@bucket=1:rank=0:sync=3"
+    # step here, so that no healthy engine counts as stalled
+    faults = "kill_engine@bucket=1:rank=0:sync=2"
     run.resume("rollout.tensor_parallel_size=1", "rollout.engine_stall_s=20",
                "trainer.max_restarts=0", rollout_ranks=2, train_ranks=1,
                env={"HPC_ASYNCPPO_FAULTS": faults})  # fmt: skip
@@ -200,7 +202,7 @@ def test_partial_rollout_stop_signals_and_dead_engines_lose_nothing(tmp_path):
     spanning = [r for r in trained if r["param_version_end"] > r["param_version_start"]]
     assert spanning, "no group was cut by a sync and continued under newer weights"
 
-    # the restarts: each fault fired once, and restarted rank 0's engine once; rank 1's
+    # the restarts: the fault fired once, and restarted rank 0's engine once; rank 1's
     # restarts (if any) each for a broadcast that stalled; every one named, counted in the
     # metrics and goodput.jsonl
     fired = [row["fault"] for row in read_jsonl(run_dir / "faults_fired.jsonl")]
@@ -209,9 +211,8 @@ def test_partial_rollout_stop_signals_and_dead_engines_lose_nothing(tmp_path):
     assert metrics[-1]["step"] == steps
     logs = [(run_dir / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1)]
     named = [re.findall(r": (.*); restarting the engine \(restart", log) for log in logs]
-    assert len(named[0]) == 2, named
+    assert len(named[0]) == 1, named
     assert re.search(r"EngineCore\w* \(pid \d+\) died \(signal SIGKILL\)", named[0][0]), named
-    assert re.search(r"\(pid \d+\) [^\n]* for rollout.engine_stall_s=20 s with", named[0][1]), named
     assert all("received no whole weight update" in line for line in named[1]), named
     restarts = metrics[-1]["rollout/engine_restarts"]
     assert restarts == len(named[0]) + len(named[1]), (named, restarts)
