@@ -46,9 +46,11 @@ have not moved since, so the tokens so far are kept even without partial rollout
 control message being handled when the engine died is handled again afterwards; a SYNC
 announced before the REGROUP is void (its broadcast broke on the dead engine).
 
-Why one long file: it is one role's loop and every message it answers (credits, syncs,
-checkpoints, validation, stops, engine restarts), read top to bottom (``STYLE.md``); its
-state is shared by all of them.
+Where things are: the engine and the weights it holds (a sync's receiving, loading and
+draining, a regroup, a dead engine's place in the weight group) have one owner,
+``engine_weights.py``; this rank says what must happen around a load (``before_new_weights``,
+``weights_loaded``) and restarts the engine (``restart_engine``); the loop (``run``) and the
+answer to each message (``handle``) read top to bottom here (``STYLE.md``).
 """
 
 from __future__ import annotations
@@ -68,10 +70,11 @@ from hpc_asyncppo.checkpoint.store import CheckpointReader, rng_state, set_rng_s
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.rollout.engine import EngineDied, RolloutEngine
 from hpc_asyncppo.rollout.engine_factory import make_engine
+from hpc_asyncppo.rollout.engine_weights import EngineWeights
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup
 from hpc_asyncppo.rollout.turns import Turns, decode_state, encode_state
 from hpc_asyncppo.rollout.validation import Validator
-from hpc_asyncppo.runlog import record_weight_digest, sent_groups_writer
+from hpc_asyncppo.runlog import sent_groups_writer
 from hpc_asyncppo.runtime import heartbeat, startup
 from hpc_asyncppo.runtime.signals import forget_stop, stop_requested
 from hpc_asyncppo.runtime.topology import Topology
@@ -82,7 +85,7 @@ from hpc_asyncppo.tools.base import load_tools
 from hpc_asyncppo.transport.arrays import pack_arrays
 from hpc_asyncppo.transport.samples import Control, SampleGroup, SampleSender
 from hpc_asyncppo.transport.weight_group import member_rank
-from hpc_asyncppo.transport.weights import Background, WeightUpdate
+from hpc_asyncppo.transport.weights import WeightUpdate
 
 log = logging.getLogger(__name__)
 
@@ -107,14 +110,16 @@ class Rollouter:
         # a prompt's index in the task (its uid), i its position in the data order.
         self.prompts: list[Prompt] = usable_prompts(self.task.prompts(), run_dir)
         self.new_engine = new_engine or (lambda: make_engine(cfg, topo.device))
-        self.engine = engine if engine is not None else self.new_engine()
+        engine = engine if engine is not None else self.new_engine()
         startup.mark("engine built")
+        # the engine and the weights it holds, joined to the weight group
+        self.weights = EngineWeights(
+            cfg, self.rank, engine, topo.weights, self.first_member, run_dir,
+            before_load=self.before_new_weights, loaded=self.weights_loaded,
+        )  # fmt: skip
+        startup.mark("weight group joined")
         self.turns = self.make_turns()  # multi-turn: the trajectories' tool calls (or None)
         self.schemas = [t.schema for t in self.turns.tools.values()] if self.turns else None
-        self.weights_spec = topo.weights  # the weight group's generation this rank is in
-        self.engine.join_weights(self.weights_spec, self.first_member)
-        startup.mark("weight group joined")
-        self.record_digests = cfg.trainer.record_weight_digests
         # groups submitted to the engine: key -> (data epoch, position in prompts, version at start)
         self.in_flight: dict[tuple[int, int], tuple[int, int, int]] = {}
         self.granted: deque[int] = deque()  # draws (prompts) the leader granted, not started
@@ -122,21 +127,8 @@ class Rollouter:
         self.validator = Validator(
             cfg, self.rank, topo.rollout_ranks, self.engine, self.sender, self.turns
         )
-        self.version = -1  # no weights from the trainer yet
-        # the version of the leader's last SYNC, loaded or not (void: its engine had died):
-        # the weights a VALIDATE after it asks for
-        self.announced = -1
-        self.last_pause_s = 0.0  # the engine's pause for the last sync
-        # in-flight weight updates: the sync being received on a side thread, its announced
-        # version, and the staging copy it is received into (allocated once)
-        self.pending: Background | None = None
-        self.pending_version = -1
-        self.staging: dict[str, torch.Tensor] = {}
-        self.inflight_updates = (
-            cfg.async_training.inflight_weight_update
-            and cfg.async_training.mode != "sync"
-            and self.engine.stages_weights
-        )
+        self.attach(engine)
+        self.synced = False  # the first sync has come (time counts from it)
         self.idle_s = 0.0
         self.started_at = time.monotonic()
         self._encoded: dict[int, list[int]] = {}
@@ -147,15 +139,8 @@ class Rollouter:
         self._waiting_since: float | None = None  # end of the last wait, if nothing ran since
         self._waiting_wall = 0.0  # the same, by time.time()
         self._stop_seen: float | None = None  # when this rank saw a stop signal
-        self.engine.should_stop = lambda: stop_requested() is not None
         self.tokens_regenerated = 0  # tokens of cut responses thrown away (started again)
         self.inbox: deque[tuple[Control, int]] = deque()  # control messages not yet handled
-        # engine restarts: how many, their time (from the death to the weights loaded again),
-        # and the state between: the engine is out of the weight group until REGROUP, then
-        # without weights until the next SYNC
-        self.engine_restarts, self.engine_restart_s = 0, 0.0
-        self.died_at: float | None = None
-        self.out_of_group = False
         # cut groups (of the checkpoint, or of a restarted engine), placed once the weights
         # say which version
         self.resumed: list[tuple[int, int, int, PartialGroup]] = []
@@ -173,8 +158,25 @@ class Rollouter:
         width = self.cfg.rollout.response_length
         respond = getattr(self.task, "respond", None)  # an environment's plain-text turns
         turns = Turns(cfg, self.engine.tokenizer, tools, self.engine.eos_id, width, respond)
-        self.engine.turn_ends = turns.turn_ends
         return turns
+
+    @property
+    def engine(self) -> RolloutEngine:
+        return self.weights.engine
+
+    @property
+    def version(self) -> int:
+        return self.weights.version
+
+    def attach(self, engine: RolloutEngine) -> None:
+        """Wire an engine to this rank (at the start, and after each restart): the weights'
+        owner holds it; it asks this rank whether to stop mid-step, ends turns at the
+        tools' call ends, and validation generates on it."""
+        self.weights.attach(engine)
+        engine.should_stop = lambda: stop_requested() is not None
+        if self.turns is not None:
+            engine.turn_ends = self.turns.turn_ends
+        self.validator.engine = engine
 
     def prompt_of(self, key: Hashable) -> Prompt:
         """The prompt of a group in flight (training or validation)."""
@@ -186,12 +188,6 @@ class Rollouter:
     def first_member(self) -> int:
         return member_rank(self.rank, 0, self.topo.workers_per_rank)
 
-    @property
-    def has_weights(self) -> bool:
-        """The engine holds the trainer's weights (not before the first sync, nor after an
-        engine restart until the next)."""
-        return self.version >= 0 and self.died_at is None
-
     def run(self) -> None:
         while True:
             try:
@@ -200,8 +196,8 @@ class Rollouter:
                     break
                 if self.stopping():
                     continue
-                self.load_pending_weights()
-                if self.has_weights:
+                self.weights.load_pending(groups_in_flight=bool(self.in_flight))
+                if self.weights.held:
                     self.start_granted_groups()
                     self.validator.top_up(self.version)
                 if not self.in_flight and not self.validator.in_flight:
@@ -214,8 +210,7 @@ class Rollouter:
             except EngineDied as death:
                 self.restart_engine(death)
         self.finish_validation()  # a validation asked for before STOP reports
-        if self.pending is not None:  # the leader finished its broadcast before STOP
-            self.pending.result(self.cfg.timeouts.weight_sync_s)
+        self.weights.finish()  # a broadcast the leader finished before STOP
         self.engine.interrupt()  # groups still in flight were never counted as sent
         self.engine.close()
         with self.timeline.span("send"):
@@ -238,64 +233,41 @@ class Rollouter:
         return False
 
     def handle(self, kind: Control, value: int) -> bool:
-        """One control message; True on STOP."""
-        if kind == Control.CREDIT:  # value: the draw naming the prompt
-            self.granted.append(value)
-        elif kind == Control.SYNC and self.out_of_group:
-            self.announced = value
-            log.warning(
-                "rank %d: the sync of version %d is void (announced before the leader "
-                "knew its engine had died): the weights come again after REGROUP",
-                self.rank,
-                value,
-            )
-        elif kind == Control.REGROUP:  # value: the weight group's next generation
-            heartbeat.doing(f"joining the weight group's generation {value}")
-            self.load_pending_weights(wait=True)  # received from the group before
-            self.weights_spec = replace(self.weights_spec, generation=value)
-            self.engine.join_weights(self.weights_spec, self.first_member)
-            self.out_of_group = False
-        elif kind == Control.SYNC:
-            self.announced = value
-            heartbeat.doing(f"receiving the weights of version {value}")
-            if self.inflight_updates and self.has_weights:
-                self.load_pending_weights(wait=True)  # one sync at a time
-                self.pending = self.engine.receive_staged(self.staging)
-                self.pending_version = value
-                return False
-            self.before_new_weights()
-            start, wall_start = time.monotonic(), time.time()
-            update = self.engine.update_weights(value, self.record_digests)
-            self.weights_loaded(update, start, wall_start)
-        elif kind == Control.CHECKPOINT:  # value: the step being checkpointed
-            heartbeat.doing(f"writing its part of the checkpoint of step {value}")
-            self.engine.interrupt()  # the groups in flight go into the part, cut
-            self.write_checkpoint_part(value)
-        elif kind == Control.VALIDATE:  # value: the trainer step validated
-            self.load_pending_weights(wait=True)  # under the version just synced
-            self.validator.request(value, self.announced)
-        elif kind == Control.STOP:
+        """One control message (its value: a credit's draw naming the prompt, a sync's
+        version, the weight group's next generation, the step checkpointed or validated);
+        True on STOP."""
+        if kind == Control.STOP:
             return True
+        answer = {
+            Control.CREDIT: self.granted.append,
+            Control.SYNC: self.weights.sync,
+            Control.REGROUP: self.weights.regroup,
+            Control.CHECKPOINT: self.checkpoint,
+            Control.VALIDATE: self.validate,
+        }
+        answer[kind](value)
         return False
+
+    def checkpoint(self, step: int) -> None:
+        heartbeat.doing(f"writing its part of the checkpoint of step {step}")
+        self.engine.interrupt()  # the groups in flight go into the part, cut
+        self.write_checkpoint_part(step)
+
+    def validate(self, step: int) -> None:
+        self.weights.load_pending(wait=True)  # under the version just synced
+        self.validator.request(step, self.weights.announced)
 
     def restart_engine(self, death: EngineDied) -> None:
         """The engine died: tell the leader (REJOIN), take the groups it had in flight with
         their tokens so far (validation groups start again from their prompts), and start
-        a new engine. The rank then waits for REGROUP and the weights (``has_weights``)."""
-        if self.engine_restarts >= self.cfg.rollout.max_engine_restarts:
-            raise RuntimeError(
-                f"{death} (its engine restarted {self.engine_restarts} times already: "
-                f"rollout.max_engine_restarts={self.cfg.rollout.max_engine_restarts})"
-            ) from death
-        self.died_at = time.monotonic() if self.died_at is None else self.died_at
-        self.engine_restarts += 1
-        self.out_of_group = True
-        self.sender.send_control(Control.REJOIN, self.engine_restarts)
+        a new engine. The rank then waits for REGROUP and the weights (``weights.held``)."""
+        self.weights.died(death)
+        self.sender.send_control(Control.REJOIN, self.weights.restarts)
         log.error(
             "rank %d: %s; restarting the engine (restart %d of at most %d)",
             self.rank,
             death,
-            self.engine_restarts,
+            self.weights.restarts,
             self.cfg.rollout.max_engine_restarts,
         )
         heartbeat.doing(f"restarting its engine after: {death}")
@@ -312,16 +284,12 @@ class Rollouter:
             self.engine.close()
         except Exception as exc:  # noqa: BLE001 - the dead engine's leftovers: log and go on
             log.warning("rank %d: closing the dead engine: %s", self.rank, exc)
-        self.engine = self.new_engine()
-        self.engine.should_stop = lambda: stop_requested() is not None
-        if self.turns is not None:
-            self.engine.turn_ends = self.turns.turn_ends
-        self.validator.engine = self.engine
+        self.attach(self.new_engine())
         log.warning(
             "rank %d: new engine started in %.1fs; %d groups in flight (%d tokens) continue "
             "once the weights are back",
             self.rank,
-            time.monotonic() - self.died_at,
+            time.monotonic() - self.weights.died_at,
             len(self.resumed),
             kept,
         )
@@ -331,30 +299,13 @@ class Rollouter:
         validation has one version; groups in flight are cut (partial rollout: they resume
         under the new weights) or finished under the old ones. A restarted engine has
         nothing running (and no weights to finish anything with)."""
-        if not self.has_weights:
+        if not self.weights.held:
             return
         self.finish_validation()
         if self.cfg.async_training.partial_rollout:
             self.engine.interrupt()
         else:
             self.finish_in_flight()
-
-    def load_pending_weights(self, wait: bool = False) -> None:
-        """Load the sync received on the side thread into the engine, once it is complete
-        (``wait``: now, waiting for it). Without partial rollout the groups in flight
-        finish first: meanwhile no new group starts (``start_granted_groups``)."""
-        if self.pending is None or not (wait or self.pending.done()):
-            return
-        if not wait and self.in_flight and not self.cfg.async_training.partial_rollout:
-            return  # draining: the groups in flight finish under the weights they started
-        start, wall_start = time.monotonic(), time.time()
-        received = self.pending.result(self.cfg.timeouts.weight_sync_s)
-        self.pending = None
-        self.before_new_weights()
-        update = self.engine.load_staged(
-            self.pending_version, received, self.staging, self.record_digests
-        )
-        self.weights_loaded(update, start, wall_start)
 
     def finish_validation(self) -> None:
         """Run the validations asked for to their end; none after a stop signal (the
@@ -363,7 +314,7 @@ class Rollouter:
             self.validator.finish(
                 self.step_and_send,
                 stop=lambda: stop_requested() is not None,
-                version=self.version if self.has_weights else None,
+                version=self.version if self.weights.held else None,
             )
 
     def stopping(self) -> bool:
@@ -420,9 +371,8 @@ class Rollouter:
 
     def start_granted_groups(self) -> None:
         """Submit new prompt groups while credits last, up to prompts_per_generate in flight."""
-        if self.pending is not None and self.pending.done():
-            if not self.cfg.async_training.partial_rollout:
-                return  # new weights are in: the groups in flight drain before they load
+        if self.weights.draining:
+            return  # new weights are in: the groups in flight drain before they load
         room = self.cfg.rollout.prompts_per_generate - len(self.in_flight)
         for _ in range(max(0, min(len(self.granted), room))):
             epoch, index = divmod(self.granted.popleft(), len(self.prompts))
@@ -498,25 +448,15 @@ class Rollouter:
         return replace(partial, tools=live or partial.tools or {})
 
     def weights_loaded(self, update: WeightUpdate, start: float, wall_start: float) -> None:
-        """After a sync: the version, the cut groups of a resume placed, digests recorded
-        (every member of this rank must have loaded the same weights)."""
+        """After a sync (``weights`` holds the new version): the cut groups waiting for
+        weights placed, the sync in the timeline."""
         self._waiting_since = None  # loading weights is not waiting for credits
-        if self.version < 0:  # time counts from the first sync, as on the trainer
+        if not self.synced:  # time counts from the first sync, as on the trainer
+            self.synced = True
             self.started_at, self.idle_s = time.monotonic(), 0.0
             startup.mark("first weights loaded")
-        self.version, self.last_pause_s = update.version, update.pause_s
-        if self.died_at is not None:  # the restarted engine has its weights
-            self.engine_restart_s += time.monotonic() - self.died_at
-            self.died_at = None
         if self.resumed:
             self.place_resumed_groups()
-        if self.record_digests:
-            if len(set(update.digests)) != 1:
-                raise RuntimeError(
-                    f"rollout rank {self.rank}: its weight-group members loaded different "
-                    f"weights at version {update.version} (digests {update.digests})"
-                )
-            record_weight_digest(self.run_dir, self.rank, update.version, update.digests[0])
         log.info(
             "rank %d: weights v%d loaded in %.3fs (engine paused %.3fs)",
             self.rank,
@@ -585,9 +525,9 @@ class Rollouter:
             rollout_idle_s=self.idle_s,
             rollout_elapsed_s=time.monotonic() - self.started_at,
             tokens_regenerated=self.tokens_regenerated,
-            rollout_sync_pause_s=self.last_pause_s,
-            engine_restarts=self.engine_restarts,
-            engine_restart_s=self.engine_restart_s,
+            rollout_sync_pause_s=self.weights.pause_s,
+            engine_restarts=self.weights.restarts,
+            engine_restart_s=self.weights.restart_s,
             **tools,
         )
 

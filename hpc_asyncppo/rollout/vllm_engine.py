@@ -66,6 +66,7 @@ import torch
 from transformers import AutoTokenizer
 
 from hpc_asyncppo.config import ModelConfig, RolloutConfig
+from hpc_asyncppo.rollout import vllm_rpc
 from hpc_asyncppo.rollout.engine import EngineDied
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup, Response, ResponseGroup
 from hpc_asyncppo.runtime.signals import children_ignore_stop_signals
@@ -332,7 +333,7 @@ class VLLMEngine:
         until the whole group has met (bounded by ``spec.timeout_s``)."""
         info = {**spec.as_dict(), "rank_offset": first_rank}
         # not watched for a stall: it waits for every member, other ranks' new engines too
-        self._engine_call(self._rpc, "init_weight_transfer_engine", info, watched=False)
+        self._engine_call(self._rpc, vllm_rpc.JOIN, info, watched=False)
         self.joined = True
 
     def update_weights(self, expected: int, digest: bool = False) -> WeightUpdate:
@@ -341,9 +342,9 @@ class VLLMEngine:
         (``interrupt`` or finish them first): their KV would mix two weight versions."""
         self._check_idle()
         start = time.monotonic()
-        self._engine_call(self._rpc, "start_weight_update")
-        self._engine_call(self._rpc, "update_weights", {"version": expected, "digest": digest})
-        self._engine_call(self._rpc, "finish_weight_update")
+        self._engine_call(self._rpc, vllm_rpc.START_UPDATE)
+        self._engine_call(self._rpc, vllm_rpc.UPDATE, {"version": expected, "digest": digest})
+        self._engine_call(self._rpc, vllm_rpc.FINISH_UPDATE)
         if self.cfg.enable_prefix_caching:
             self._reset_prefix_cache()
         digests = [w["digest"] for w in self.last_sync()]
@@ -358,9 +359,10 @@ class VLLMEngine:
 
     def last_sync(self) -> list[dict]:
         """Each worker's account of the last sync (``WorkerExtension.hpc_asyncppo_last_sync``)."""
-        return self._engine_call(self._rpc, "hpc_asyncppo_last_sync")
+        return self._engine_call(self._rpc, vllm_rpc.LAST_SYNC)
 
     def _rpc(self, method: str, *args):
+        """``method`` (a ``vllm_rpc`` name) in every worker, their answers in order."""
         return self.llm.collective_rpc(method, timeout=self.weight_sync_s, args=args)
 
     def _reset_prefix_cache(self) -> None:
@@ -459,7 +461,7 @@ class VLLMEngine:
             raise EngineDied(self.died)
         if call == self.llm.step:
             what = "returned no decoding step"
-        elif call == self._rpc and args[0] == "update_weights":
+        elif call == self._rpc and args[0] == vllm_rpc.UPDATE:
             # a broadcast waits on the leader and every member: one stopped or dead member
             # stalls it for all, and each waiting rank restarts its engine
             what = "received no whole weight update (its broadcast stalled: a member stopped?)"

@@ -157,10 +157,8 @@ if BACKEND not in WeightTransferEngineFactory._registry:
 
 
 class WorkerExtension:
-    """Mixed into vLLM's worker class; importing this module is what registers the engine."""
-
-    def hpc_asyncppo_ready(self) -> bool:
-        return True
+    """Mixed into vLLM's worker class; importing this module is what registers the engine.
+    The rank calls its methods by the names in ``vllm_rpc.py``."""
 
     def hpc_asyncppo_last_sync(self) -> dict:
         """The last sync this worker received: version, its weight-group rank, digest

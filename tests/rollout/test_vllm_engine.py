@@ -398,6 +398,18 @@ def test_greedy_groups_beside_sampled_ones_match_the_hf_engines_greedy(engine, m
         assert done[("sampled", i)].response_ids.shape == (N, RESPONSE_LENGTH)
 
 
+def test_every_rpc_the_rank_calls_is_a_method_of_the_worker():
+    """The names the rank calls through ``collective_rpc`` (``rollout/vllm_rpc.py``): vLLM's
+    weight-transfer methods on its CPU worker, the project's on its worker extension."""
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    from hpc_asyncppo.rollout import vllm_rpc
+    from hpc_asyncppo.rollout.vllm_worker import WorkerExtension
+
+    assert [n for n in vllm_rpc.VLLMS if not callable(getattr(CPUWorker, n, None))] == []
+    assert [n for n in vllm_rpc.OURS if not callable(getattr(WorkerExtension, n, None))] == []
+
+
 def test_a_stopped_engine_process_is_killed_and_fails_the_waiting_step(engine, model_dir):
     """LAST in the module: it ends the module's engine. vLLM's engine core stopped
     (SIGSTOP) while the engine generates: after ``rollout.engine_stall_s`` without a
