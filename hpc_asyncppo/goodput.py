@@ -26,7 +26,7 @@ Each row::
     failure            a failed attempt's failed ranks, one line each, as the launcher tells them
     failure_checkpoint the step of the newest checkpoint when it failed (0: none yet)
     restarted          whether its launcher started the job again after the failure
-                       (launch/restarts.py)
+                       (launch/job_restarts.py)
     stop_latency_s     from the stop signal to the durable checkpoint (a signal's end)
     tokens_regenerated response tokens of cut groups generated again in this attempt
     engine_restarts    rollout engines restarted inside their ranks in this attempt, and
@@ -181,7 +181,7 @@ def close(
     """The launcher's last act for an attempt: the attempt it started at ``start`` ends at
     ``end``. Its row takes that end; a stop signal's name (``stopped_by``, the one the
     launcher received, not the USR2 it forwarded); "failed" if the leader never ended it,
-    with the last step logged and ``failure``'s fields (``restarts.Failure.record``: the
+    with the last step logged and ``failure``'s fields (``job_restarts.Failure.record``: the
     failed ranks' lines, the newest checkpoint, whether it was restarted). An attempt
     whose leader never wrote a row (the job failed before) gets one. Closed again (a
     stop that ended the back-off before a restart), the row takes the later end."""

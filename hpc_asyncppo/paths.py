@@ -31,7 +31,7 @@ Created before any rank starts (``launch/rundir.py``), read by every rank and by
                                              a checkpoint, to resume
   RUN_DIR/restart                 RESTART    left by a failed Slurm attempt that is to start
                                              again: the batch script requeues the job
-                                             (launch/restarts.py)
+                                             (launch/job_restarts.py)
   RUN_DIR/hf_final/               HF_FINAL   the final checkpoint as a Hugging Face folder
                                              (checkpoint.save_hf_final)
   RUN_DIR/report.png              REPORT     ``python -m hpc_asyncppo.report``'s image

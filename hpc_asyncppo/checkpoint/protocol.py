@@ -11,7 +11,7 @@ A checkpoint of step N is the folder ``RUN_DIR/checkpoints/step_<N>/``::
                     by rollout rank ``continuing_rank(r, R)``)
     leader.h5       the trainer leader's intake (``trainer/intake.py``): its sample queue
                     (every group received and not yet trained), the data order
-                    (``trainer/prompts.py``) and how many cut groups each rollout rank kept
+                    (``tasks/order.py``) and how many cut groups each rollout rank kept
     manifest.json   the counters (``trainer/progress.py``), rank counts, which state object
                     each file holds (``states_held``), and every part with its size and
                     checksum

@@ -279,7 +279,7 @@ class TrainerConfig:
     # A job that fails for a reason other than its input (a rank killed, a crash, a named
     # hang) is started again from its newest checkpoint, at most this many times per
     # submit (locally) or per Slurm job (requeued); a crash loop (the same failure with no
-    # checkpoint between) stops it sooner. launch/restarts.py
+    # checkpoint between) stops it sooner. launch/job_restarts.py
     max_restarts: int = 3
     # local: before the first restart; doubled before each next (Slurm: its requeue delay)
     restart_backoff_s: float = 10.0

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from hpc_asyncppo import goodput
 from hpc_asyncppo.config import Config, ConfigError
-from hpc_asyncppo.launch import restarts
+from hpc_asyncppo.launch import job_restarts
 from hpc_asyncppo.launch.progress import follow
 from hpc_asyncppo.launch.rundir import (
     rank_errors,
@@ -154,13 +154,13 @@ def run_local(
 
     ``resume_step``: the step of the checkpoint a resumed run starts from (progress is shown
     from there). A job that fails for a reason other than its input starts again from its newest
-    checkpoint after a back-off, at most ``trainer.max_restarts`` times (``restarts.py``
+    checkpoint after a back-off, at most ``trainer.max_restarts`` times (``job_restarts.py``
     says what is retried); each attempt is a row of goodput.jsonl.
     """
     log_path = run_dir / LOGS / "mpirun.log"
     cmd = mpirun_command(run_dir, rollout_ranks, train_ranks)
     started = startup.process_started_at()  # the attempt's start (goodput.py)
-    previous: restarts.Failure | None = None
+    previous: job_restarts.Failure | None = None
     for restarts_done in itertools.count():
         received: list[int] = []
         code = _run_mpirun(
@@ -178,10 +178,10 @@ def run_local(
         if code == 0:
             goodput.close(run_dir, started, time.time(), stopped_by)
             return _stopped(run_dir, received)
-        failure = restarts.Failure.of(
+        failure = job_restarts.Failure.of(
             run_dir, explain_failure(run_dir, rollout_ranks, log_path.read_text())
         )
-        why_not = restarts.why_not_restart(
+        why_not = job_restarts.why_not_restart(
             failure, previous, restarts_done, cfg.trainer.max_restarts
         )
         restart = why_not is None and not received  # asked to stop: never restarted
@@ -190,7 +190,7 @@ def run_local(
             return _failed(run_dir, log_path, code, failure)
         if why_not is not None:
             return _failed(run_dir, log_path, code, failure, f", not restarted: {why_not}")
-        wait_s = restarts.backoff_s(cfg.trainer.restart_backoff_s, restarts_done)
+        wait_s = job_restarts.backoff_s(cfg.trainer.restart_backoff_s, restarts_done)
         print(
             f"the job failed at step {failure.step} (mpirun exit code {code}); restarting it "
             f"from its newest checkpoint in {wait_s:g} s (restart {restarts_done + 1} of "
@@ -210,7 +210,7 @@ def run_local(
                 file=sys.stderr,
             )
             return 128 + signum
-        restarts.archive_errors(run_dir, len(goodput.read_attempts(run_dir)) - 1)
+        job_restarts.archive_errors(run_dir, len(goodput.read_attempts(run_dir)) - 1)
         try:
             resume_step = report_resume_point(run_dir)
         except ConfigError as exc:
@@ -233,7 +233,7 @@ def _stopped(run_dir: Path, received: list[int]) -> int:
 
 
 def _failed(
-    run_dir: Path, log_path: Path, code: int, failure: restarts.Failure, why: str = ""
+    run_dir: Path, log_path: Path, code: int, failure: job_restarts.Failure, why: str = ""
 ) -> int:
     print(
         f"error: the job failed (mpirun exit code {code}){why}; log: {log_path}; "

@@ -6,7 +6,7 @@ prompt groups as the trainer leader has granted credits for (at most
 vllm: one decoding step of every running request); score and send the groups that
 finished; wait when there is nothing to do. The leader's credits are the whole flow and
 staleness control: a rank never generates what it was not granted. Each credit names its
-prompt (a draw of the leader's data order, ``trainer/prompts.py``): the rank keeps no
+prompt (a draw of the leader's data order, ``tasks/order.py``): the rank keeps no
 place in the data of its own, so a run can resume on any number of rollout ranks.
 Validation groups (VALIDATE, ``validation.py``) share the engine steps and go back to the
 leader apart; they are no part of a checkpoint, and a stop signal abandons them.

@@ -10,7 +10,7 @@ launcher (locally ``launch/local.py``, under Slurm the step wrapper) reads those
 each poll (``Watch``); a rank whose count has not moved for ``trainer.stall_timeout_s`` of
 the launcher's own clock (no clock is compared across nodes) is silent. The launcher
 records one line for it as the rank's error, naming what it and the trainer leader were
-doing, and ends the attempt; ``launch/restarts.py`` then restarts the job.
+doing, and ends the attempt; ``launch/job_restarts.py`` then restarts the job.
 
 A beat is one small write: with the default timeout (300 s) a rank writes every 10 s. The
 file names this attempt (``goodput.ATTEMPT_START``), so an earlier attempt's files are not

@@ -41,9 +41,9 @@ import numpy as np
 
 from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.config import Config
+from hpc_asyncppo.tasks.order import PromptOrder
 from hpc_asyncppo.trainer import advantages
 from hpc_asyncppo.trainer.credits import CreditController
-from hpc_asyncppo.trainer.prompts import PromptOrder
 from hpc_asyncppo.trainer.queue import SpillQueue
 from hpc_asyncppo.transport.arrays import unpack_arrays
 from hpc_asyncppo.transport.samples import Control, SampleGroup, decode_group

@@ -18,7 +18,7 @@ from hpc_asyncppo.config import DataConfig, TinyModelConfig
 from hpc_asyncppo.models.tiny import build_tiny_model
 from hpc_asyncppo.runlog import read_jsonl
 from hpc_asyncppo.tasks import load_task
-from hpc_asyncppo.trainer.prompts import PromptOrder
+from hpc_asyncppo.tasks.order import PromptOrder
 from tests.harness import SMALL, Run
 
 pytestmark = pytest.mark.mpi

@@ -5,7 +5,7 @@ Slurm sends before the time limit: the ranks checkpoint, exit, and the batch scr
 requeues the job), by ``scontrol requeue`` (what a preempting scheduler does: SIGTERM, then
 the job starts again), and by a SIGKILL of the trainer leader (a crash: the step fails,
 its wrapper judges it worth a restart and the batch script requeues the job,
-``launch/restarts.py``). Each time the job resumes on its own, and at the end every sample
+``launch/job_restarts.py``). Each time the job resumes on its own, and at the end every sample
 was trained at most once, none was lost, and the run trained as many as an uninterrupted
 one.
 """
@@ -25,7 +25,7 @@ import pytest
 
 from hpc_asyncppo.launch.slurm.cluster import ACTIVE_STATES, job_state
 from hpc_asyncppo.runlog import read_jsonl
-from hpc_asyncppo.trainer.prompts import PromptOrder
+from hpc_asyncppo.tasks.order import PromptOrder
 from tests.harness import REPO
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("local_slurm")]

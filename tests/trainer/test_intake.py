@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from hpc_asyncppo.config import load_config
+from hpc_asyncppo.tasks.order import PromptOrder
 from hpc_asyncppo.trainer.intake import Intake
-from hpc_asyncppo.trainer.prompts import PromptOrder
 from hpc_asyncppo.trainer.queue import SpillQueue
 from hpc_asyncppo.transport.arrays import pack_arrays
 from hpc_asyncppo.transport.samples import Control, SampleGroup, decode_group, encode_group

@@ -19,7 +19,7 @@ A rank that falls silent (its heartbeat stops for ``trainer.stall_timeout_s``:
 ``runtime/heartbeat.py``) is recorded as that rank's error and srun is ended at once.
 
 A step that failed, without a stop signal or a preemption's checkpoint, is judged by
-``launch/restarts.py`` as a local launcher judges a failed attempt: to start again, the
+``launch/job_restarts.py`` as a local launcher judges a failed attempt: to start again, the
 wrapper records the failure in goodput.jsonl, moves the ranks' error records aside,
 leaves RUN_DIR/restart and exits 0, and the batch script requeues the job; Slurm's delay
 before a requeued job may start again is the back-off. Otherwise it says why not and
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpc_asyncppo import goodput
-from hpc_asyncppo.launch import restarts
+from hpc_asyncppo.launch import job_restarts
 from hpc_asyncppo.launch.rundir import rank_errors, write_rank_error
 from hpc_asyncppo.paths import CONFIG, PREEMPTED, RANKS, RESTART
 from hpc_asyncppo.runtime import heartbeat
@@ -224,12 +224,12 @@ def _end(proc: subprocess.Popen) -> None:
 def after_failure(
     run_dir: Path, watch: StepWatch, code: int, start: float, max_restarts: int
 ) -> int:
-    """Close a failed attempt's goodput row and requeue the job or not (``restarts.py``);
+    """Close a failed attempt's goodput row and requeue the job or not (``job_restarts.py``);
     the wrapper's exit status: 0 to requeue (RUN_DIR/restart left for the batch script),
     else ``code``."""
     lines = rank_errors(run_dir) + [f"srun reported {death}" for death in watch.deaths]
-    failure = restarts.Failure.of(run_dir, lines or [f"the step failed (exit status {code})"])
-    why_not = restarts.slurm_decision(
+    failure = job_restarts.Failure.of(run_dir, lines or [f"the step failed (exit status {code})"])
+    why_not = job_restarts.slurm_decision(
         failure, goodput.read_attempts(run_dir), start, watch.job_id, max_restarts
     )
     if why_not is None and watch.job_id:
@@ -242,7 +242,7 @@ def after_failure(
     if why_not is not None:
         print(f"hpc_asyncppo step: the job failed; not requeued: {why_not}", file=sys.stderr)
         return code
-    restarts.archive_errors(run_dir, len(goodput.read_attempts(run_dir)) - 1)
+    job_restarts.archive_errors(run_dir, len(goodput.read_attempts(run_dir)) - 1)
     (run_dir / RESTART).write_text(json.dumps({"step": failure.step, "failure": lines}) + "\n")
     print(
         f"hpc_asyncppo step: the job failed at step {failure.step}; requeueing it to start "

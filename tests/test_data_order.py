@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hpc_asyncppo.checkpoint.store import CheckpointReader, save_checkpoint
-from hpc_asyncppo.trainer.prompts import PromptOrder, epoch_order
+from hpc_asyncppo.tasks.order import PromptOrder, epoch_order
 
 
 def test_each_epoch_hands_out_every_prompt_once_in_its_shuffle():

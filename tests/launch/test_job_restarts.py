@@ -1,4 +1,4 @@
-"""What the launcher restarts and when it stops trying (launch/restarts.py), on run
+"""What the launcher restarts and when it stops trying (launch/job_restarts.py), on run
 directories laid out as a failed attempt leaves them. The restarts themselves, in real
 runs under mpirun: tests/integration/test_local_runs.py."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_asyncppo.launch.restarts import (
+from hpc_asyncppo.launch.job_restarts import (
     Failure,
     archive_errors,
     backoff_s,
