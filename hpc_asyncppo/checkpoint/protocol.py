@@ -12,9 +12,9 @@ A checkpoint of step N is the folder ``RUN_DIR/checkpoints/step_<N>/``::
     leader.h5       the trainer leader's intake (``trainer/intake.py``): its sample queue
                     (every group received and not yet trained), the data order
                     (``tasks/order.py``) and how many cut groups each rollout rank kept
-    manifest.json   the counters (``trainer/progress.py``), rank counts, which state object
-                    each file holds (``states_held``), and every part with its size and
-                    checksum
+    manifest.json   the counters (``trainer/progress.py``), the groups trained
+                    (``trainer/credits.py``), rank counts, which state object each file
+                    holds (``states_held``), and every part with its size and checksum
 
 Each part is an HDF5 file of ``checkpoint.store`` (written under a temporary name, fsynced,
 renamed; a CRC-32 per dataset; no pickle). A part's checksum is the CRC-32 of its datasets'
@@ -46,9 +46,10 @@ cut groups of the old ranks it continues (``continued_parts``).
 How state is collected: every object a checkpoint holds exposes ``state_dict()`` and
 ``load_state_dict`` (``state.py``), and each role hands this module its objects by name
 (``{name: state}``); this module imports none of their classes. A file's tree is the union
-of its states' trees (``tree_of``; their top-level keys are the file's, as
-``states_held`` lists them), and on resume each state loads from the file it was written
-to (``load_part``, ``load_states``). The trainer leader writes ``progress`` and ``credits``
+of its states' trees (``tree_of``: each state's top-level keys at the file's root, which
+keeps the layout above), ``states_held`` names the states each file holds, and on resume
+each state loads its own keys from the file it was written to (``load_part``,
+``load_states``; a part is read key by key, never whole). The trainer leader writes ``progress`` and ``credits``
 into the manifest and ``intake`` into ``leader.h5``; a trainer rank writes ``policy``
 (sharded: read back row by row through ``ShardedReader``, ``restore_trainer_part``) and
 ``rng``; a rollout rank writes ``rng`` and ``cut_groups``.

@@ -6,7 +6,9 @@ writes or restores them; it imports none of their classes. The owners:
 
   progress     ``trainer/progress.py`` ``Progress``: the leader's counters (manifest)
   credits      ``trainer/credits.py`` ``CreditController``: groups trained (manifest)
-  intake       ``trainer/intake.py`` ``Intake``: queue, data order, cut groups per rank
+  intake       ``trainer/intake.py`` ``Intake`` (leader.h5): its queue (``trainer/queue.py``)
+               and data order (``tasks/order.py``), each a state of its own inside it,
+               and the cut groups per rollout rank
   policy       ``trainer/policy.py`` ``Policy``: a trainer rank's shards, the LR schedule
                and a LoRA run's base identity (``ShardedStateful``)
   rng          ``RngState`` below: one process's RNGs (each trainer and rollout rank)

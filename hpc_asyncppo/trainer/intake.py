@@ -280,7 +280,7 @@ class Intake:
         encoded (the in-memory part and what spilled to the overflow file, read back), the
         data order's three numbers and returned draws, the cut groups per rollout rank."""
         return {
-            "queue": self.queue.snapshot(),
+            **self.queue.state_dict(),
             "order": self.order.state_dict(),
             # per rollout rank: groups cut and kept in its part, continued after resume
             "partial_groups": np.asarray(self.partial_groups, dtype=np.int64),
@@ -294,7 +294,7 @@ class Intake:
                 "the leader part has no data order (written before the trainer leader owned "
                 "it): start a new run"
             )
-        self.queue.extend(state["queue"] or [])
+        self.queue.load_state_dict(state)
         self.order.load_state_dict(state["order"])
         ranks = len(self.partial_groups)
         kept = [0] * ranks
