@@ -27,12 +27,13 @@ exact.
 
 A checkpoint (CHECKPOINT) cuts the groups in flight at once and writes them, with their
 tokens so far, log-probs and per-token versions (``cut_groups.py``), and the rank's RNGs
-into this rank's part; they go on afterwards. A stop signal makes the rank stop generating at once (the hf engine between
-two tokens) and wait for the leader's checkpoint, so that the time from the signal to a
-durable checkpoint does not grow with the response length. After a resume the cut groups
-continue from their tokens; without partial rollout only if the weights are still those
-that sampled them, otherwise they start again from the prompt (same uid; the tokens
-thrown away are counted in ``tokens_regenerated``).
+into this rank's part; they go on afterwards. A stop signal makes the rank stop
+generating at once (the hf engine between two tokens) and wait for the leader's
+checkpoint, so that the time from the signal to a durable checkpoint does not grow with
+the response length. After a resume the cut groups continue from their tokens; without
+partial rollout only if the weights are still those that sampled them, otherwise they
+start again from the prompt (same uid; the tokens thrown away are counted in
+``tokens_regenerated``).
 
 An engine that dies under the rank (``EngineDied``: vLLM's engine core killed, crashed or
 stuck past ``rollout.engine_stall_s``) is restarted in place, at most
