@@ -153,17 +153,17 @@ def check_checkpoint(device: torch.device, work: Path) -> str:
     from hpc_asyncppo.checkpoint.protocol import restore_trainer_part, write_trainer_part
     from hpc_asyncppo.trainer.batch import to_tensors
     from hpc_asyncppo.trainer.model import gather_full
-    from hpc_asyncppo.trainer.policy import ppo_update
+    from hpc_asyncppo.trainer.policy import ppo_update, trainer_states
 
     a = _policy(work, device)
     ppo_update(a, to_tensors(random_batch(16, seed=2), device))
     folder = protocol.step_dir(work / "checkpoint_run", 1)
     start = time.monotonic()
-    part = write_trainer_part(folder, a, 0)
+    part = write_trainer_part(folder, trainer_states(a), 0)
     protocol.commit(folder, [part], {"step": 1, "train_ranks": 1, "rollout_ranks": 0})
     protocol.verify_all(folder)
     b = _policy(work, device)
-    restore_trainer_part(folder, b, 0, 1)
+    restore_trainer_part(folder, trainer_states(b), 0, 1)
     seconds = time.monotonic() - start
     for (name, x), (_, y) in zip(
         a.module.named_parameters(), b.module.named_parameters(), strict=True

@@ -32,7 +32,7 @@ from hpc_asyncppo.export import INDEX
 from hpc_asyncppo.models.tiny import build_tokenizer
 from hpc_asyncppo.paths import HF_FINAL
 from hpc_asyncppo.tasks import load_task
-from hpc_asyncppo.trainer.policy import Policy
+from hpc_asyncppo.trainer.policy import Policy, trainer_states
 from tests.conftest import vllm_environment
 from tests.harness import REPO, SMALL, Run
 
@@ -91,7 +91,7 @@ def restored_policy(run_dir: Path, step: int, dtype: str) -> Policy:
     manifest = protocol.read_manifest(folder)
     parts = protocol.overlapping_parts(0, 1, manifest["train_ranks"])
     with protocol.ShardedReader(folder, manifest, parts) as reader:
-        policy.load_state(reader, str(folder))
+        policy.load_state_dict(reader)
     return policy
 
 
@@ -275,7 +275,7 @@ def test_peak_memory_of_an_export_is_a_fraction_of_the_model(tmp_path):
     policy = Policy(cfg, CPU)
     model_bytes = sum(p.numel() * 4 for p in policy.model.parameters())
     folder = protocol.step_dir(run, 1)
-    parts = [write_trainer_part(folder, policy, 0)]
+    parts = [write_trainer_part(folder, trainer_states(policy), 0)]
     protocol.commit(folder, parts, {"step": 1, "param_version": 0, "train_ranks": 1})
     del policy
     assert set(protocol.read_full(folder, "value_head")) == {"weight", "bias"}

@@ -12,9 +12,9 @@ A checkpoint of step N is the folder ``RUN_DIR/checkpoints/step_<N>/``::
     leader.h5       the trainer leader's intake (``trainer/intake.py``): its sample queue
                     (every group received and not yet trained), the data order
                     (``tasks/order.py``) and how many cut groups each rollout rank kept
-    manifest.json   the counters (``trainer/progress.py``), rank counts, which state object
-                    each file holds (``states_held``), and every part with its size and
-                    checksum
+    manifest.json   the counters (``trainer/progress.py``), the groups trained
+                    (``trainer/credits.py``), rank counts, which state object each file
+                    holds (``states_held``), and every part with its size and checksum
 
 Each part is an HDF5 file of ``checkpoint.store`` (written under a temporary name, fsynced,
 renamed; a CRC-32 per dataset; no pickle). A part's checksum is the CRC-32 of its datasets'
@@ -43,10 +43,16 @@ checkpoint: a trainer rank reads the rows of the old trainer parts that overlap 
 leader the intake (the data order is the leader's), a rollout rank its own part and the
 cut groups of the old ranks it continues (``continued_parts``).
 
-The roles' state goes in through ``state_dict``-like trees and comes back through the
-readers here: ``write_trainer_part``/``restore_trainer_part`` for a trainer rank (the
-policy's shards and its RNGs), the leader's ``Intake.state_dict`` and ``Progress``, a
-rollout rank's cut groups (``rollout/rollouter.py``).
+How state is collected: every object a checkpoint holds exposes ``state_dict()`` and
+``load_state_dict`` (``state.py``), and each role hands this module its objects by name
+(``{name: state}``); this module imports none of their classes. A file's tree is the union
+of its states' trees (``tree_of``: each state's top-level keys at the file's root, which
+keeps the layout above), ``states_held`` names the states each file holds, and on resume
+each state loads its own keys from the file it was written to (``load_part``,
+``load_states``; a part is read key by key, never whole). The trainer leader writes ``progress`` and ``credits``
+into the manifest and ``intake`` into ``leader.h5``; a trainer rank writes ``policy``
+(sharded: read back row by row through ``ShardedReader``, ``restore_trainer_part``) and
+``rng``; a rollout rank writes ``rng`` and ``cut_groups``.
 """
 
 from __future__ import annotations
@@ -58,24 +64,22 @@ import re
 import shutil
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
+from hpc_asyncppo.checkpoint.state import ShardedStateful, Stateful
 from hpc_asyncppo.checkpoint.store import (
     CheckpointError,
     CheckpointReader,
-    StateReader,
     fsync_dir,
     fsync_file,
-    rng_state,
     save_checkpoint,
-    set_rng_state,
     verify_checkpoint,
 )
 from hpc_asyncppo.paths import CHECKPOINTS
@@ -88,6 +92,7 @@ MANIFEST = "manifest.json"
 FORMAT = "hpc_asyncppo.checkpoint"
 MANIFEST_FORMAT_VERSION = 2
 LEADER_PART = "leader.h5"
+SHARDED = "policy"  # the state split over the trainer ranks, read back row by row
 _STEP_DIR = re.compile(r"step_(\d{8,})")
 _LEGACY = re.compile(r"ckpt_(\d{8,})\.h5")
 
@@ -102,14 +107,16 @@ def rollout_part(rank: int) -> str:
 
 def states_held(train_ranks: int, rollout_ranks: int) -> dict[str, list[str]]:
     """Which state object each file of a checkpoint holds, by name (the manifest's
-    ``states``, shown by ``inspect``): the counters (``trainer/progress.py``) in the
-    manifest, the intake (``trainer/intake.py``: queue, data order, cut groups per rank) in
-    the leader part, each trainer rank's shards of the policy and its RNGs in its part,
-    each rollout rank's RNGs and cut groups in its part."""
+    ``states``, shown by ``inspect``): the counters (``trainer/progress.py``) and the
+    groups trained (``trainer/credits.py``) in the manifest, the intake
+    (``trainer/intake.py``: queue, data order, cut groups per rank) in the leader part,
+    each trainer rank's shards of the policy and its RNGs in its part, each rollout rank's
+    RNGs and cut groups (``rollout/cut_groups.py``) in its part."""
     trainers = [trainer_part(k) for k in range(train_ranks)]
     rollouts = [rollout_part(r) for r in range(rollout_ranks)]
     return {
         "progress": [MANIFEST],
+        "credits": [MANIFEST],
         "intake": [LEADER_PART],
         "policy": trainers,
         "rng": trainers + rollouts,
@@ -384,6 +391,7 @@ class ShardedReader:
 
     def __init__(self, folder: Path, manifest: dict, parts: list[int]):
         self.folder, self.manifest = folder, manifest
+        self.source = str(folder)
         self.readers: dict[int, CheckpointReader] = {}
         self.layouts: dict[int, dict] = {}
         for k in sorted(set(parts) | {0}):
@@ -452,35 +460,80 @@ def read_full(folder: Path, section: str) -> dict[str, torch.Tensor]:
 # --- each rank's part, and what it reads on resume ------------------------------------------
 
 
-class ShardedState(Protocol):
-    """What a trainer rank's part holds beside its RNGs (the trainer's ``Policy``): its
-    shards as a tree, and how to read its own rows back from any number of old parts."""
+def tree_of(states: Mapping[str, Stateful | ShardedStateful]) -> dict:
+    """The tree of a file holding ``states``: the union of their ``state_dict()`` trees, in
+    the order given. ValueError if two states write the same key."""
+    tree: dict = {}
+    owner: dict[str, str] = {}
+    for name, state in states.items():
+        for key, value in state.state_dict().items():
+            if key in owner:
+                raise ValueError(f"states {owner[key]!r} and {name!r} both write {key!r}")
+            owner[key], tree[key] = name, value
+    return tree
 
-    def shard_tree(self) -> dict: ...
 
-    def load_state(self, reader: StateReader, source: str) -> None: ...
+def load_states(tree: Mapping[str, Any], states: Mapping[str, Stateful], source: str) -> None:
+    """Each of ``states`` loads its keys from ``tree`` (a file's root); a key it needs and
+    the file lacks is a CheckpointError naming ``source``."""
+    for state in states.values():
+        try:
+            state.load_state_dict(tree)
+        except KeyError as exc:
+            raise CheckpointError(f"checkpoint {source} has no {exc}") from None
 
 
-def trainer_tree(policy: ShardedState) -> dict:
-    """A trainer rank's part: its shards of the model and optimizer, and its RNGs."""
-    return {**policy.shard_tree(), "rng": rng_state()}
+class _PartRoot(Mapping[str, Any]):
+    """The root of a part as a mapping whose values are read (and verified) only when
+    asked for: a state takes its own keys and nothing else of the file."""
+
+    def __init__(self, reader: CheckpointReader):
+        self.reader = reader
+        self.names = [str(k) for k in reader.keys() or []]
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.names:
+            raise KeyError(key)
+        return self.reader.get(key)
+
+    def __contains__(self, key: object) -> bool:  # without reading the value
+        return key in self.names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
-def write_trainer_part(folder: Path, policy: ShardedState, rank: int) -> PartInfo:
+def load_part(path: Path, states: Mapping[str, Stateful]) -> int:
+    """Restore ``states`` from the part at ``path``; returns the bytes read of it."""
+    with CheckpointReader(path) as reader:
+        load_states(_PartRoot(reader), states, str(path))
+        return reader.bytes_read
+
+
+def write_trainer_part(
+    folder: Path, states: Mapping[str, Stateful | ShardedStateful], rank: int
+) -> PartInfo:
     """Trainer rank ``rank``'s part, written (a CheckpointError or OSError if it cannot be)."""
-    return write_part(folder, trainer_part(rank), trainer_tree(policy))
+    return write_part(folder, trainer_part(rank), tree_of(states))
 
 
-def restore_trainer_part(folder: Path, policy: ShardedState, rank: int, ranks: int) -> dict:
-    """Load this rank's rows from the parts that hold them, and its RNGs when the
-    checkpoint had a part of its number; returns the checkpoint's manifest."""
+def restore_trainer_part(
+    folder: Path, states: Mapping[str, Stateful | ShardedStateful], rank: int, ranks: int
+) -> dict:
+    """A trainer rank's states: the sharded one (``SHARDED``, the policy) reads its rows
+    from the old parts that hold them; the others (the RNGs) load from the part of this
+    rank's number, when the checkpoint has one (not when resuming with more trainer
+    ranks). Returns the checkpoint's manifest."""
     manifest = read_manifest(folder)
     old = overlapping_parts(rank, ranks, manifest["train_ranks"])
     with ShardedReader(folder, manifest, old) as reader:
-        policy.load_state(reader, str(folder))
-    if rank < manifest["train_ranks"]:  # absent when resuming with more trainer ranks
-        with CheckpointReader(folder / trainer_part(rank)) as reader:
-            set_rng_state(reader.get("rng"))
+        states[SHARDED].load_state_dict(reader)
+    own = {name: state for name, state in states.items() if name != SHARDED}
+    if rank < manifest["train_ranks"]:
+        load_part(folder / trainer_part(rank), own)
     return manifest
 
 

@@ -551,7 +551,10 @@ def _to_numpy(arr: np.ndarray, ds: h5py.Dataset) -> np.ndarray | np.generic:
 
 
 class StateReader(Protocol):
-    """What a restore reads from: values, child keys and rows of tensors by path."""
+    """What a restore reads from: values, child keys and rows of tensors by path;
+    ``source`` names it in errors (the checkpoint folder)."""
+
+    source: str
 
     def get(self, *path: str | int) -> Any:
         """The value at ``path`` (a subtree comes back whole), or None if absent."""
@@ -573,8 +576,8 @@ class StateReader(Protocol):
 class TreeReader:
     """A ``StateReader`` over a tree in memory (tests, tools)."""
 
-    def __init__(self, tree: dict):
-        self.tree = tree
+    def __init__(self, tree: dict, source: str = "in memory"):
+        self.tree, self.source = tree, source
 
     def _at(self, path: tuple) -> Any:
         node: Any = self.tree

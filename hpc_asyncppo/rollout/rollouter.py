@@ -26,13 +26,14 @@ device). Every token records the version that sampled it, so the staleness audit
 exact.
 
 A checkpoint (CHECKPOINT) cuts the groups in flight at once and writes them, with their
-tokens so far, log-probs and per-token versions, into this rank's part; they go on
-afterwards. A stop signal makes the rank stop generating at once (the hf engine between
-two tokens) and wait for the leader's checkpoint, so that the time from the signal to a
-durable checkpoint does not grow with the response length. After a resume the cut groups
-continue from their tokens; without partial rollout only if the weights are still those
-that sampled them, otherwise they start again from the prompt (same uid; the tokens
-thrown away are counted in ``tokens_regenerated``).
+tokens so far, log-probs and per-token versions (``cut_groups.py``), and the rank's RNGs
+into this rank's part; they go on afterwards. A stop signal makes the rank stop
+generating at once (the hf engine between two tokens) and wait for the leader's
+checkpoint, so that the time from the signal to a durable checkpoint does not grow with
+the response length. After a resume the cut groups continue from their tokens; without
+partial rollout only if the weights are still those that sampled them, otherwise they
+start again from the prompt (same uid; the tokens thrown away are counted in
+``tokens_regenerated``).
 
 An engine that dies under the rank (``EngineDied``: vLLM's engine core killed, crashed or
 stuck past ``rollout.engine_stall_s``) is restarted in place, at most
@@ -66,13 +67,14 @@ import numpy as np
 import torch
 
 from hpc_asyncppo.checkpoint import protocol
-from hpc_asyncppo.checkpoint.store import CheckpointReader, rng_state, set_rng_state
+from hpc_asyncppo.checkpoint.state import RngState, Stateful
 from hpc_asyncppo.config import Config
+from hpc_asyncppo.rollout.cut_groups import CutGroup, CutGroups
 from hpc_asyncppo.rollout.engine import EngineDied, RolloutEngine
 from hpc_asyncppo.rollout.engine_factory import make_engine
 from hpc_asyncppo.rollout.engine_weights import EngineWeights
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup
-from hpc_asyncppo.rollout.turns import Turns, decode_state, encode_state
+from hpc_asyncppo.rollout.turns import Turns
 from hpc_asyncppo.rollout.validation import Validator
 from hpc_asyncppo.runlog import sent_groups_writer
 from hpc_asyncppo.runtime import heartbeat, startup
@@ -96,13 +98,14 @@ class Rollouter:
         cfg: Config,
         topo: Topology,
         run_dir: Path,
-        resume: dict | None = None,
+        checkpoint: Path | None = None,
         engine: RolloutEngine | None = None,
         sender: SampleSender | None = None,
         new_engine: Callable[[], RolloutEngine] | None = None,
     ):
-        """``engine``, ``sender`` and ``new_engine`` (builds the engine of a restart): the
-        rank's own (from ``cfg``, over ``topo.inter``) unless given (the unit tests' fakes)."""
+        """``checkpoint``: the folder to resume from (``restore``), or None. ``engine``,
+        ``sender`` and ``new_engine`` (builds the engine of a restart): the rank's own (from
+        ``cfg``, over ``topo.inter``) unless given (the unit tests' fakes)."""
         self.cfg, self.topo, self.run_dir = cfg, topo, run_dir
         self.rank = topo.world_rank
         self.task: Task = load_task(cfg.data)
@@ -143,11 +146,26 @@ class Rollouter:
         self.inbox: deque[tuple[Control, int]] = deque()  # control messages not yet handled
         # cut groups (of the checkpoint, or of a restarted engine), placed once the weights
         # say which version
-        self.resumed: list[tuple[int, int, int, PartialGroup]] = []
-        if resume is not None:  # last, so that nothing above draws from the restored RNGs
-            self.resumed = resume["partial"]
-            if resume["rng"] is not None:
-                set_rng_state(resume["rng"])
+        self.resumed: list[CutGroup] = []
+        if checkpoint is not None:  # last, so that nothing above draws from the restored RNGs
+            self.restore(checkpoint)
+
+    def restore(self, checkpoint: Path) -> None:
+        """Read this rank's states from its own small part of a checkpoint (its RNGs, none
+        if the checkpoint was written by fewer rollout ranks) and the cut groups of the old
+        ranks it continues (``protocol.continuing_rank``); nothing else."""
+        old_ranks = protocol.read_manifest(checkpoint)["rollout_ranks"]
+        names, read = [], 0
+        for old in protocol.continued_parts(self.rank, self.topo.rollout_ranks, old_ranks):
+            cut = CutGroups()
+            states: dict[str, Stateful] = {"cut_groups": cut}
+            if old == self.rank:
+                states["rng"] = RngState()
+            part = checkpoint / protocol.rollout_part(old)
+            read += protocol.load_part(part, states)
+            self.resumed += cut.groups
+            names.append(part.name)
+        log.info("resume read %d bytes, from %s only", read, ", ".join(names) or "no part")
 
     def make_turns(self) -> Turns | None:
         """The rank's multi-turn state, with its tools built (``rollout.multi_turn``)."""
@@ -421,23 +439,22 @@ class Rollouter:
         prompts out again."""
         unused = np.asarray(list(self.granted), dtype=np.int64)
         self.granted.clear()
-        cut = [
-            cut_group_tree(*self.in_flight[key], self.with_tools(key, partial))
-            for key, partial in self.engine.unfinished()
-            if not self.validator.owns(key)  # validation is not checkpointed
-        ]
-        # cut groups waiting for weights (a restarted engine's, a resume's) are cut groups too
-        cut += [
-            cut_group_tree(epoch, index, start, self.with_tools((epoch, index), partial))
-            for epoch, index, start, partial in self.resumed
-        ]
-        tree = {"rng": rng_state(), "partial": cut}
+        cut = CutGroups(
+            [
+                (*self.in_flight[key], self.with_tools(key, partial))
+                for key, partial in self.engine.unfinished()
+                if not self.validator.owns(key)  # validation is not checkpointed
+            ]
+            # cut groups waiting for weights (a restarted engine's, a resume's) are cut too
+            + [(e, i, start, self.with_tools((e, i), p)) for e, i, start, p in self.resumed]
+        )
+        tree = protocol.tree_of({"rng": RngState(), "cut_groups": cut})
         folder = protocol.step_dir(self.run_dir, step)
         with self.timeline.span("checkpoint"):
             written = protocol.write_own_part(folder, protocol.rollout_part(self.rank), tree)
         self._waiting_since = None  # writing the part was not waiting for credits
         meta = {**written, "groups_sent": self.sender.groups_sent}
-        report = pack_arrays({"unused": unused}, {**meta, "partial_groups": len(cut)})
+        report = pack_arrays({"unused": unused}, {**meta, "partial_groups": len(cut.groups)})
         self.sender.send_state(report, self.cfg.timeouts.rank_wait_s)
 
     def with_tools(self, key: Hashable, partial: PartialGroup) -> PartialGroup:
@@ -532,66 +549,12 @@ class Rollouter:
         )
 
 
-def cut_group_tree(epoch: int, index: int, version_start: int, partial: PartialGroup) -> dict:
-    """A cut group as a checkpoint subtree (arrays and numbers only)."""
-    g = partial.sofar
-    return {
-        "epoch": epoch,
-        "index": index,
-        "version_start": version_start,
-        "prompt": np.asarray(partial.prompt, dtype=np.int32),
-        "response_ids": g.response_ids,
-        "response_lengths": g.response_lengths,
-        "log_probs": g.log_probs,
-        "versions": g.versions,
-        "finished": partial.finished,
-        # multi-turn: where the observations lie (absent for single-turn groups), and what
-        # the tools keep of its trajectories (JSON, as bytes)
-        **({"loss_mask": g.loss_mask} if g.loss_mask is not None else {}),
-        **(
-            {"tools": np.frombuffer(encode_state(partial.tools), dtype=np.uint8)}
-            if partial.tools is not None
-            else {}
-        ),
-    }
-
-
-def cut_group_of(tree: dict) -> tuple[int, int, int, PartialGroup]:
-    sofar = Generation(
-        tree["response_ids"],
-        tree["response_lengths"],
-        tree["log_probs"],
-        tree["versions"],
-        tree.get("loss_mask"),
-    )
-    tools = decode_state(tree["tools"].tobytes()) if "tools" in tree else None
-    partial = PartialGroup(tree["prompt"].tolist(), sofar, tree["finished"].astype(bool), tools)
-    return int(tree["epoch"]), int(tree["index"]), int(tree["version_start"]), partial
-
-
 def run_rollouter(
     cfg: Config, topo: Topology, run_dir: Path, checkpoint: Path | None = None
 ) -> None:
-    """``checkpoint``: the checkpoint folder to resume from (None for a fresh start). This
-    rank reads its own small part of it (its RNGs, none if the checkpoint was written by
-    fewer rollout ranks) and the cut groups of the old ranks it continues
-    (``protocol.continuing_rank``); nothing else."""
+    """``checkpoint``: the checkpoint folder to resume from (None for a fresh start)."""
     torch.set_num_threads(cfg.rollout.torch_threads)
     torch.manual_seed(cfg.trainer.seed * 1000 + topo.world_rank)
-    resume = None
-    if checkpoint is not None:
-        old_ranks = protocol.read_manifest(checkpoint)["rollout_ranks"]
-        resume = {"rng": None, "partial": []}
-        names, read = [], 0
-        for old in protocol.continued_parts(topo.world_rank, topo.rollout_ranks, old_ranks):
-            part = checkpoint / protocol.rollout_part(old)
-            with CheckpointReader(part) as reader:
-                if old == topo.world_rank:
-                    resume["rng"] = reader.get("rng")
-                resume["partial"] += [cut_group_of(t) for t in reader.get("partial") or []]
-                read += reader.bytes_read
-            names.append(part.name)
-        log.info("resume read %d bytes, from %s only", read, ", ".join(names) or "no part")
-    rollouter = Rollouter(cfg, topo, run_dir, resume)
+    rollouter = Rollouter(cfg, topo, run_dir, checkpoint)
     startup.mark("ready for the first sync")
     rollouter.run()

@@ -7,9 +7,16 @@ with a credit. At each sync the budget restarts from what is still outstanding (
 leader or granted and not yet received), as in verl. Because the trainer's queue can never
 hold more than the budget, the same credits bound the leader's memory: no side can overrun
 the other. The controller is pure bookkeeping (no MPI), so it is tested alone.
+
+In a checkpoint (``state_dict``: the ``credits`` state, in the manifest) it keeps only the
+count of groups trained; what is queued and in flight comes back with the intake's queue
+and cut groups (``Intake.load_state_dict`` calls ``resume``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 
 class CreditController:
@@ -60,13 +67,21 @@ class CreditController:
         self.used -= sum(self.in_flight) - sum(kept)
         self.in_flight = list(kept)
 
-    def resume(self, trained: int, queued: int, in_flight: list[int] | None = None) -> None:
-        """After a restore: ``trained`` groups done, ``queued`` waiting, ``in_flight[rank]``
-        started groups each rank continues from the checkpoint (none if not given)."""
-        self.trained, self.queued = trained, queued
+    def resume(self, queued: int, in_flight: list[int] | None = None) -> None:
+        """After a restore: ``queued`` groups waiting, ``in_flight[rank]`` started groups
+        each rank continues from the checkpoint (none if not given)."""
+        self.queued = queued
         if in_flight is not None:
             self.in_flight = list(in_flight)
 
     def synced(self) -> None:
         """A new weight version: the budget restarts from what is still outstanding."""
         self.used = self.outstanding
+
+    def state_dict(self) -> dict:
+        """The groups trained: the one count a resume cannot rebuild (the manifest's
+        ``groups_trained``)."""
+        return {"groups_trained": self.trained}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.trained = int(state["groups_trained"])

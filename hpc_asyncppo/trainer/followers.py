@@ -22,7 +22,7 @@ from hpc_asyncppo.runtime import faults, heartbeat
 from hpc_asyncppo.runtime.topology import Topology
 from hpc_asyncppo.timeline import Timeline
 from hpc_asyncppo.trainer.batch import to_tensors
-from hpc_asyncppo.trainer.policy import Policy, ppo_update
+from hpc_asyncppo.trainer.policy import Policy, ppo_update, trainer_states
 from hpc_asyncppo.transport.arrays import pack_arrays, unpack_arrays
 from hpc_asyncppo.transport.waits import poll_until
 
@@ -121,7 +121,9 @@ def run_follower(
         if order is Order.CHECKPOINT:
             folder = protocol.step_dir(run_dir, step)
             name = protocol.trainer_part(topo.local_rank)
-            written = protocol.write_own_part(folder, name, protocol.trainer_tree(policy))
+            written = protocol.write_own_part(
+                folder, name, protocol.tree_of(trainer_states(policy))
+            )
             report_part(topo.local, written, cfg.timeouts.rank_wait_s)
             continue
         faults.at("step", step)  # a drill's named moment (none in a real run)

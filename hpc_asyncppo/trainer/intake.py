@@ -21,9 +21,10 @@ It reaches the rollout ranks only through ``RolloutLink`` (``SampleReceiver`` in
 so a unit test drives it in one process. It decides, the leader records: the groups it
 drops are returned for the leader's sample log.
 
-``state_dict()`` is the leader's checkpoint part (the queue, the data order, the cut
-groups per rank); ``load_state_dict`` restores it, with the count of groups trained from
-the manifest, onto any number of rollout ranks.
+``state_dict()`` is the leader's checkpoint part (the ``intake`` state: the queue, the data
+order, the cut groups per rank); ``load_state_dict`` restores it onto any number of
+rollout ranks. The credits keep the count of groups trained in the manifest (their own
+``credits`` state).
 
 Memory: the queue's in-memory part (at most ``buffer.memory_limit_mb``; the rest spills to
 RUN_DIR's overflow file) and the encoded groups of the batch being taken.
@@ -33,13 +34,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from hpc_asyncppo.checkpoint import protocol
+from hpc_asyncppo.checkpoint.store import CheckpointError
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.tasks.order import PromptOrder
 from hpc_asyncppo.trainer import advantages
@@ -274,23 +276,29 @@ class Intake:
         return [(f"rollout rank {r}", reports[r]) for r in sorted(reports)]
 
     def state_dict(self) -> dict:
-        """The leader's checkpoint part (``protocol.LEADER_PART``); ``groups_trained`` goes
-        in the manifest with the other counters."""
+        """The leader's checkpoint part (``protocol.LEADER_PART``): every queued group,
+        encoded (the in-memory part and what spilled to the overflow file, read back), the
+        data order's three numbers and returned draws, the cut groups per rollout rank."""
         return {
-            "queue": self.queue.snapshot(),
+            **self.queue.state_dict(),
             "order": self.order.state_dict(),
             # per rollout rank: groups cut and kept in its part, continued after resume
             "partial_groups": np.asarray(self.partial_groups, dtype=np.int64),
         }
 
-    def load_state_dict(self, state: dict, groups_trained: int) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore onto this run's rollout ranks, however many: the cut groups of old rank
         o are continued by rank ``protocol.continuing_rank(o, R)``."""
-        self.queue.extend(state["queue"] or [])
+        if "order" not in state:
+            raise CheckpointError(
+                "the leader part has no data order (written before the trainer leader owned "
+                "it): start a new run"
+            )
+        self.queue.load_state_dict(state)
         self.order.load_state_dict(state["order"])
         ranks = len(self.partial_groups)
         kept = [0] * ranks
         for old, count in enumerate(np.asarray(state["partial_groups"]).tolist()):
             kept[protocol.continuing_rank(old, ranks)] += count
         self.partial_groups = kept
-        self.credits.resume(trained=groups_trained, queued=len(self.queue), in_flight=kept)
+        self.credits.resume(queued=len(self.queue), in_flight=kept)

@@ -27,7 +27,8 @@ are split over ranks and micro-batches.
 
 Weights leave the trainer one tensor at a time (``named_weights``: every trainer rank takes
 part in gathering each tensor, the leader sends it, and it is freed); a checkpoint takes
-each rank's own shards (``shard_tree``) and a restore reads back each rank's rows.
+each rank's own shards (``state_dict``, the ``policy`` state of ``checkpoint/state.py``)
+and a restore reads back each rank's rows (``load_state_dict``).
 
 Why one long file: the update's passes (old log-probs, losses, backward, the collectives
 that keep it split-invariant) share the sharded model's state and are read as one step.
@@ -46,6 +47,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from hpc_asyncppo.checkpoint.state import RngState, ShardedStateful, Stateful
 from hpc_asyncppo.checkpoint.store import CheckpointError, StateReader
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.models import lora as lora_lib
@@ -178,10 +180,13 @@ class Policy:
                 full *= scale[name.split(".lora_B.")[0]]
             yield lora_lib.wire_name(name), full
 
-    def shard_tree(self) -> dict:
-        """This rank's part of a checkpoint, without communication: its rows of every
-        parameter and optimizer state tensor (``layout``: each tensor's first row and whole
-        shape), the optimizer's hyperparameters, the LR schedule."""
+    def state_dict(self) -> dict:
+        """This rank's state in a checkpoint (a ``ShardedStateful``), without
+        communication: its rows of every trained parameter and optimizer state tensor
+        (``layout``: each tensor's first row and whole shape), the optimizer's
+        hyperparameters, the LR schedule and, with LoRA, the base model's identity
+        (``lora_base``) in place of the frozen base. Its tensors are views of those this
+        rank holds (no copy; the writer takes each to the CPU in its turn)."""
         layout: dict[str, list[int]] = {}
         self.resharded()
 
@@ -234,10 +239,11 @@ class Policy:
 
     # --- state back in -------------------------------------------------------------------
     @torch.no_grad()
-    def load_state(self, reader: StateReader, source: str) -> None:
+    def load_state_dict(self, reader: StateReader) -> None:
         """Restore from a checkpoint: each tensor's rows this rank holds, one tensor at a
         time (``reader``: the trainer parts' ``ShardedReader``, or a ``TreeReader`` of an
-        in-memory tree of whole tensors)."""
+        in-memory tree of whole tensors); a LoRA checkpoint only onto the base it names."""
+        source = reader.source
         self.resharded()
         parts = [("model", self.model)] + (
             [("value_head", self.value_head)] if self.value_head else []
@@ -268,7 +274,7 @@ class Policy:
                     )
                 set_rows(param, reader, (key, name))
         if self.lora:
-            self.check_lora_base(reader, source)
+            self.check_lora_base(reader)
         self.load_optimizer(reader)
         if reader.keys("lr_schedule") is not None:
             self.schedule.load_state_dict(reader.get("lr_schedule"))
@@ -280,8 +286,9 @@ class Policy:
             self._lora_base = lora_lib.base_identity(self.cfg.model.path)
         return self._lora_base
 
-    def check_lora_base(self, reader: StateReader, source: str) -> None:
+    def check_lora_base(self, reader: StateReader) -> None:
         """A LoRA checkpoint's adapters belong to one base model: the one it names."""
+        source = reader.source
         saved = reader.get("lora_base")
         if saved is None:
             raise CheckpointError(
@@ -311,6 +318,12 @@ class Policy:
             state[int(index)] = entry
         groups = reader.get("optimizer", "param_groups")
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def trainer_states(policy: Policy) -> dict[str, Stateful | ShardedStateful]:
+    """A trainer rank's states in its checkpoint part, by name: its shards of the policy
+    and its RNGs."""
+    return {"policy": policy, "rng": RngState()}
 
 
 @torch.no_grad()

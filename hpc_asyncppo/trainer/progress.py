@@ -1,16 +1,17 @@
 """The trainer leader's counters: where the run is, in one object that checkpoints itself.
 
-``state_dict()`` is what the checkpoint's manifest records of them (the same keys as
-before this object existed, so older checkpoints load); ``load_state_dict`` takes a
-manifest. The time of this attempt counts from ``start()``; ``elapsed_s`` adds the
+``state_dict()`` is what the checkpoint's manifest records of them (the ``progress``
+state: eight numbers, the same keys as before this object existed, so older checkpoints
+load); ``load_state_dict`` takes a manifest. The time of this attempt counts from ``start()``; ``elapsed_s`` adds the
 attempts before it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -57,7 +58,7 @@ class Progress:
             "idle_s": self.idle_s,
         }
 
-    def load_state_dict(self, meta: dict) -> None:
+    def load_state_dict(self, meta: Mapping[str, Any]) -> None:
         self.step, self.version = int(meta["step"]), int(meta["param_version"])
         self.synced_step = int(meta.get("synced_step", -1))  # absent: unknown, resent
         self.samples_trained = int(meta["samples_trained"])

@@ -15,14 +15,16 @@ the head empty reads the next run of spilled items back in one read (at most
 ``io_chunk_mb``); when the file is drained it is deleted and the tail moves up.
 
 The overflow file is scratch, not a recovery format (no fsync): a checkpoint stores
-``snapshot()``, and a resumed run pushes those items into a fresh queue. Not thread-safe.
+``snapshot()`` (``state_dict``), and a resumed run pushes those items into a fresh queue
+(``load_state_dict``). Not thread-safe.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -118,6 +120,15 @@ class SpillQueue:
         """Every queued item in order, without removing any (for a checkpoint)."""
         spilled = self._read_spilled(self._written) if self.spilled_count else []
         return [*self._head, *spilled, *self._tail]
+
+    def state_dict(self) -> dict:
+        """Every queued item in order under ``queue``: the spilled ones read back, so the
+        whole queue is in memory while a checkpoint writes it."""
+        return {"queue": self.snapshot()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Push a checkpoint's items, in order, into this queue (a resume's, empty)."""
+        self.extend(state["queue"] or [])
 
     def close(self) -> None:
         """Delete the overflow file and forget every item (snapshot first to keep them)."""

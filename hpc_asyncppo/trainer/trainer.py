@@ -32,9 +32,9 @@ import torch
 
 from hpc_asyncppo import goodput, runlog
 from hpc_asyncppo.checkpoint import protocol
+from hpc_asyncppo.checkpoint.state import Stateful
 from hpc_asyncppo.checkpoint.store import (
     CheckpointError,
-    CheckpointReader,
 )
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.paths import HF_FINAL, OVERFLOW, PREEMPTED
@@ -48,7 +48,7 @@ from hpc_asyncppo.trainer import advantages
 from hpc_asyncppo.trainer.batch import collate, shard_rows, to_tensors
 from hpc_asyncppo.trainer.followers import Followers, Order, run_follower
 from hpc_asyncppo.trainer.intake import Batch, Intake
-from hpc_asyncppo.trainer.policy import Policy, peak_memory_mb, ppo_update
+from hpc_asyncppo.trainer.policy import Policy, peak_memory_mb, ppo_update, trainer_states
 from hpc_asyncppo.trainer.progress import Progress
 from hpc_asyncppo.trainer.queue import SpillQueue
 from hpc_asyncppo.trainer.steplog import StepLog
@@ -253,7 +253,7 @@ class TrainerLeader:
         # The counters as the step left them: a resume carries on its elapsed and waiting
         # time from here, as the timeline's "checkpoint" span (from ``start``) says, not
         # from the end of the parts' writing, which a resume does not keep.
-        counters = self.progress.state_dict()
+        counters = protocol.tree_of(self.manifest_states())
         shutil.rmtree(folder, ignore_errors=True)  # parts of an attempt killed before its commit
         self.receiver.broadcast_control(Control.CHECKPOINT, self.step)
         self.followers.order(Order.CHECKPOINT, self.step)
@@ -261,16 +261,17 @@ class TrainerLeader:
             # every rank's report first, so that none waits on a leader that gave up
             reports = self.intake.collect_parts(self.cfg.timeouts.rank_wait_s, self.validation.poll)
             own = protocol.write_own_part(
-                folder, protocol.trainer_part(0), protocol.trainer_tree(self.policy)
+                folder, protocol.trainer_part(0), protocol.tree_of(trainer_states(self.policy))
             )
             reports.append(("trainer rank 0", own))
             reports += self.followers.collect_parts()
             parts = [protocol.part_of_report(report, who) for who, report in reports]
-            leader = protocol.write_part(folder, protocol.LEADER_PART, self.intake.state_dict())
+            leader = protocol.write_part(
+                folder, protocol.LEADER_PART, protocol.tree_of(self.leader_states())
+            )
             parts.append(leader)
             meta = {
                 **counters,
-                "groups_trained": self.intake.groups_trained,
                 "rollout_ranks": self.topo.rollout_ranks,
                 "train_ranks": self.topo.train_ranks,
                 "states": protocol.states_held(self.topo.train_ranks, self.topo.rollout_ranks),
@@ -305,17 +306,20 @@ class TrainerLeader:
         (self.run_dir / PREEMPTED).write_text(json.dumps(marker) + "\n")
         return latency
 
+    def manifest_states(self) -> dict[str, Stateful]:
+        """The leader's states the manifest holds: the counters, the groups trained."""
+        return {"progress": self.progress, "credits": self.intake.credits}
+
+    def leader_states(self) -> dict[str, Stateful]:
+        """The leader's states ``leader.h5`` holds: the intake (queue, data order, cut
+        groups per rank)."""
+        return {"intake": self.intake}
+
     def restore(self, folder: Path) -> None:
-        meta = protocol.restore_trainer_part(folder, self.policy, 0, self.topo.train_ranks)
-        with CheckpointReader(folder / protocol.LEADER_PART) as reader:
-            if "order" not in reader.keys():
-                raise CheckpointError(
-                    f"checkpoint {folder} has no data order (written before the trainer leader "
-                    "owned it): start a new run"
-                )
-            state = {key: reader.get(key) for key in ("queue", "order", "partial_groups")}
-        self.intake.load_state_dict(state, meta["groups_trained"])
-        self.progress.load_state_dict(meta)
+        states = trainer_states(self.policy)
+        meta = protocol.restore_trainer_part(folder, states, 0, self.topo.train_ranks)
+        protocol.load_part(folder / protocol.LEADER_PART, self.leader_states())
+        protocol.load_states(meta, self.manifest_states(), str(folder / protocol.MANIFEST))
         self.checkpoint_time = meta.get("time", (folder / protocol.MANIFEST).stat().st_mtime)
         # Steps after the checkpoint are trained again: forget what the killed run logged of them.
         runlog.truncate_to_step(self.run_dir, self.step)
@@ -390,5 +394,6 @@ def run_trainer(cfg: Config, topo: Topology, run_dir: Path, checkpoint: Path | N
             raise
         return
     if checkpoint is not None:
-        protocol.restore_trainer_part(checkpoint, policy, topo.local_rank, topo.train_ranks)
+        states = trainer_states(policy)
+        protocol.restore_trainer_part(checkpoint, states, topo.local_rank, topo.train_ranks)
     run_follower(cfg, topo, run_dir, policy, Timeline(run_dir, topo.world_rank, "trainer"))

@@ -129,7 +129,7 @@ def full_state(policy) -> dict[str, np.ndarray]:
 
 def _worker(rank: int, world: int, port: int, model_dir: str, folder: str, out: str) -> None:
     from hpc_asyncppo.checkpoint.protocol import restore_trainer_part, write_trainer_part
-    from hpc_asyncppo.trainer.policy import Policy, ppo_update
+    from hpc_asyncppo.trainer.policy import Policy, ppo_update, trainer_states
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)  # fmt: skip
@@ -145,7 +145,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, folder: str, out: 
     if world == 2:  # the writer: train two steps, write the parts, commit
         for seed in (1, 2):
             ppo_update(policy, to_tensors(shard_rows(make_batch(seed=seed), 2, 1)[rank], "cpu"))
-        part = write_trainer_part(folder_path, policy, rank)
+        part = write_trainer_part(folder_path, trainer_states(policy), rank)
         Path(out, f"part{rank}.json").write_text(json.dumps(part.to_json()))
         dist.barrier()
         if rank == 0:
@@ -155,7 +155,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, folder: str, out: 
             ]
             protocol.commit(folder_path, infos, {"step": 2, "train_ranks": 2, "rollout_ranks": 1})
     else:
-        restore_trainer_part(folder_path, policy, rank, world)
+        restore_trainer_part(folder_path, trainer_states(policy), rank, world)
     state = full_state(policy)
     if rank == 0:
         np.savez(Path(out) / f"state-{world}.npz", **state)

@@ -97,7 +97,7 @@ def restored(run_dir: Path) -> Policy:
     manifest = protocol.read_manifest(folder)
     parts = protocol.overlapping_parts(0, 1, manifest["train_ranks"])
     with protocol.ShardedReader(folder, manifest, parts) as reader:
-        policy.load_state(reader, str(folder))
+        policy.load_state_dict(reader)
     return policy
 
 

@@ -386,8 +386,8 @@ def test_a_multi_turn_group_keeps_its_observations_through_a_checkpoint(tmp_path
     back and continued: the observation is where it was (log-prob 0, version -1, loss
     mask 0), and the group sent at the end carries the mask; a single-turn group none."""
     from hpc_asyncppo.checkpoint.store import load_checkpoint, save_checkpoint
+    from hpc_asyncppo.rollout.cut_groups import CutGroups
     from hpc_asyncppo.rollout.generation import Response, ResponseGroup
-    from hpc_asyncppo.rollout.rollouter import cut_group_of, cut_group_tree
 
     first, second = Response(), Response()
     for r, version in ((first, 3), (second, 3)):
@@ -397,10 +397,11 @@ def test_a_multi_turn_group_keeps_its_observations_through_a_checkpoint(tmp_path
         first.tokens + [7], first.log_probs + [-0.3], first.versions + [4]
     )  # fmt: skip
     group = ResponseGroup([1, 2], [first, second])
-    tree = cut_group_tree(0, 5, 3, group.partial(LENGTH * 3, 0))
-    save_checkpoint(tmp_path / "part.h5", {"partial": [tree]}, {})
-    (back,) = load_checkpoint(tmp_path / "part.h5")[0]["partial"]
-    *_, partial = cut_group_of(back)
+    tree = CutGroups([(0, 5, 3, group.partial(LENGTH * 3, 0))]).state_dict()
+    save_checkpoint(tmp_path / "part.h5", tree, {})
+    back = CutGroups()
+    back.load_state_dict(load_checkpoint(tmp_path / "part.h5")[0])
+    ((*_, partial),) = back.groups
     again = ResponseGroup.of(partial)
     assert again.responses[0].observations == [(2, 5)] and again.responses[1].observations == []
     gen = again.generation(LENGTH * 3, 0)
@@ -409,4 +410,5 @@ def test_a_multi_turn_group_keeps_its_observations_through_a_checkpoint(tmp_path
     assert gen.loss_mask[1].all()
     plain = ResponseGroup([1, 2], [second]).generation(LENGTH, 0)
     assert plain.loss_mask is None
-    assert "loss_mask" not in cut_group_tree(0, 5, 3, ResponseGroup([1], [second]).partial(3, 0))
+    single = CutGroups([(0, 5, 3, ResponseGroup([1], [second]).partial(3, 0))]).state_dict()
+    assert "loss_mask" not in single["partial"][0]

@@ -271,7 +271,8 @@ def test_a_checkpoint_restores_onto_one_rollout_rank_with_nothing_lost(tmp_path)
     queued = [decode_group(b).uid(0) for b in state["queue"]]
 
     restored, link2 = make_intake(tmp_path, 1, "async_training.staleness_threshold=3", name="r")
-    restored.load_state_dict(state, intake.groups_trained)
+    restored.credits.load_state_dict(intake.credits.state_dict())  # the manifest's count
+    restored.load_state_dict(state)
     assert restored.groups_trained == intake.groups_trained == len(batch.groups)
     assert [decode_group(b).uid(0) for b in restored.queue.snapshot()] == queued
     assert restored.partial_groups == [1]  # old rank 1 continues on rank 1 mod 1 = 0

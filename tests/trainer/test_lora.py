@@ -135,13 +135,13 @@ def test_a_checkpoint_holds_the_adapters_their_optimizer_and_the_base_it_belongs
     policy = Policy(cfg, CPU)
     batch = batch_with_advantages()
     ppo_update(policy, batch)
-    tree = policy.shard_tree()
+    tree = policy.state_dict()
     assert sorted(tree["model"]) == sorted(
         n for n, p in policy.model.named_parameters() if p.requires_grad
     )
     assert all(lora.is_adapter(n) for n in tree["model"])
     restored = Policy(cfg, CPU)
-    restored.load_state(TreeReader(tree), "in memory")
+    restored.load_state_dict(TreeReader(tree))
     after = {}
     for p in (policy, restored):  # the same next update from the same state
         ppo_update(p, batch)
@@ -160,7 +160,7 @@ def test_a_checkpoint_holds_the_adapters_their_optimizer_and_the_base_it_belongs
     weights.write_bytes(bytes(data))
     elsewhere = Policy(make_cfg(other), CPU)
     with pytest.raises(CheckpointError, match="holds LoRA adapters of the base model at"):
-        elsewhere.load_state(TreeReader(tree), "in memory")
+        elsewhere.load_state_dict(TreeReader(tree))
 
 
 def test_a_sync_with_an_unpaired_adapter_is_refused(tiny_model_dir):

@@ -295,7 +295,7 @@ def test_a_rollout_temperature_the_trainer_does_not_know_shows_in_rollout_corr(
 
 def gathered_state(policy: Policy) -> dict:
     """What a one-rank checkpoint part holds (its shards are the whole tensors)."""
-    return policy.shard_tree()
+    return policy.state_dict()
 
 
 def test_restore_reproduces_the_next_steps_exactly(tiny_model_dir):
@@ -304,7 +304,7 @@ def test_restore_reproduces_the_next_steps_exactly(tiny_model_dir):
     ppo_update(a, to_tensors(make_batch(seed=1), CPU))
     tree = gathered_state(a)
     b = one_rank_policy(tiny_model_dir, **sections)
-    b.load_state(TreeReader(tree), "memory")
+    b.load_state_dict(TreeReader(tree))
     assert b.schedule.updates == a.schedule.updates == 1
     for seed in (2, 3):
         sa = ppo_update(a, to_tensors(make_batch(seed=seed), CPU))
