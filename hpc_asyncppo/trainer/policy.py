@@ -346,6 +346,71 @@ def peak_memory_mb(device: torch.device) -> float:
 # --- the update ---------------------------------------------------------------------------
 
 
+# --- the PPO update, read top down: ppo_update -> its mini-batches (mini_batch_plans,
+# reference_quantities) -> each one's micro-batches (accumulate_gradients) -> the loss
+# (micro_batch_loss); the small helpers last
+MAX_STATS = frozenset({"rollout_corr/is_weight_max"})  # reduced by max, not summed
+
+
+class StepAbandoned(Exception):
+    """A stop signal came before the step's first optimizer step: nothing of it is kept."""
+
+
+def ppo_update(policy: Policy, batch: dict[str, torch.Tensor]) -> dict[str, float] | None:
+    """One trainer step on this rank's rows: require_batches mini-batches x ppo_epochs
+    optimizer steps. Collective over the trainer ranks; every rank returns the same
+    statistics (each a mean over the whole batch of every rank, averaged over the steps).
+
+    A stop signal (any trainer rank's, agreed on before each micro-batch) abandons the step
+    while no optimizer step has been taken: its gradients are dropped, the weights, the
+    optimizer and the LR schedule are as before it, and it returns None (the leader puts
+    the batch back). The wait from a signal to the step's end is then the micro-batch in
+    progress: with ``actor.use_dynamic_bsz`` at most ``ppo_max_token_len_per_gpu`` tokens,
+    whatever the response length (``scripts/bench_stop_latency.py --token-budgets``);
+    without it, the rank's whole shard (``ppo_micro_batch_size_per_gpu=0``) or that many
+    rows. Once an optimizer step is taken (several mini-batches or epochs) the step
+    finishes: the budget is the rest of the step."""
+    actor = policy.cfg.actor
+    plans = mini_batch_plans(policy, batch)
+    try:
+        merged = {**batch, **reference_quantities(policy, batch, plans, abandon=True)}
+        stats = accumulate_gradients(policy, merged, plans[0], abandon=True)
+    except StepAbandoned:
+        policy.optimizer.zero_grad(set_to_none=True)
+        return None
+    totals: dict[str, torch.Tensor] = {}
+    grad_norm, updates = 0.0, 0
+    for epoch in range(actor.ppo_epochs):
+        for i, plan in enumerate(plans):
+            if epoch or i:  # the first mini-batch's gradients are in already
+                stats = accumulate_gradients(policy, merged, plan)
+            _combine(totals, stats)
+            if actor.grad_clip > 0:
+                norm = torch.nn.utils.clip_grad_norm_(
+                    list(policy.module.parameters()), actor.grad_clip
+                )
+                grad_norm += float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+            policy.schedule.before_step()
+            policy.optimizer.step()
+            policy.schedule.after_step()
+            updates += 1
+    keys = sorted(k for k in totals if k not in MAX_STATS)
+    summed = policy.all_reduce(torch.stack([totals[k] for k in keys]).cpu()) if keys else []
+    stats = {k: float(v) / updates for k, v in zip(keys, summed, strict=True)}
+    for k in sorted(MAX_STATS & totals.keys()):
+        top = totals[k].reshape(1).cpu()
+        stats[k] = float(policy.all_reduce(top, op=dist.ReduceOp.MAX))
+    if actor.grad_clip > 0:
+        stats["actor/grad_norm"] = grad_norm / updates
+    stats["actor/lr"] = policy.schedule.current_lr()
+    if "rs_keep" in merged:
+        counts = algos.rejection_counts(merged["rs_keep"], batch["response_mask"])
+        tokens, total, seqs, responses = policy.all_reduce(counts.cpu()).tolist()
+        stats["rollout_rs/masked_fraction"] = tokens / max(total, 1.0)
+        stats["rollout_rs/seq_masked_fraction"] = seqs / max(responses, 1.0)
+    return stats
+
+
 def mini_batch_plans(policy: Policy, batch: dict[str, torch.Tensor]) -> list[list[np.ndarray]]:
     """Per mini-batch, the row indices of each micro-batch (the same count on every rank)."""
     actor = policy.cfg.actor
@@ -365,36 +430,6 @@ def mini_batch_plans(policy: Policy, batch: dict[str, torch.Tensor]) -> list[lis
             split_to_count(p, tokens, int(c)) for p, c in zip(plans, counts.tolist(), strict=True)
         ]
     return plans
-
-
-def old_log_probs_from_training(cfg: Config) -> bool:
-    """Whether the old log-probs can come from the training forward itself: with one
-    optimizer step per trainer step (one epoch, one mini-batch) every micro-batch's forward
-    runs on the weights before the update, so a separate no-grad pass would compute the same
-    numbers; with a value head that pass runs anyway (the old values), so it is kept, and
-    with rejection sampling the pass decides which tokens count in the loss."""
-    return (
-        cfg.actor.ppo_epochs == 1
-        and cfg.async_training.require_batches == 1
-        and not cfg.async_training.use_rollout_log_probs
-        and cfg.algorithm.adv_estimator != "gae"
-        # rejection sampling masks tokens out of the loss by their old log-probs: the loss
-        # normalisers of the whole mini-batch must be known before the first micro-batch
-        and cfg.algorithm.rollout_rs == "none"
-        and not cfg.actor.recompute_old_log_probs
-    )
-
-
-def stop_agreed(policy: Policy) -> bool:
-    """Whether any trainer rank has a stop signal (``runtime/signals.py``); collective, so
-    that every rank abandons a step at the same micro-batch. One float's all-reduce."""
-    flag = torch.tensor([1.0 if stop_requested() else 0.0], dtype=torch.float64)
-    return bool(policy.all_reduce(flag).item() > 0)
-
-
-def _pieces(plans: list[list[np.ndarray]]) -> Iterator[np.ndarray]:
-    for plan in plans:
-        yield from plan
 
 
 @torch.no_grad()
@@ -456,12 +491,29 @@ def reference_quantities(
     return out
 
 
-def loss_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(B, L) the tokens every loss term counts: the response's, less those rejection
-    sampling masked out (``rs_keep``, when present)."""
-    if "rs_keep" in batch:
-        return batch["response_mask"] * batch["rs_keep"]
-    return batch["response_mask"]
+def accumulate_gradients(
+    policy: Policy, batch: dict[str, torch.Tensor], plan: list[np.ndarray], abandon: bool = False
+) -> dict[str, torch.Tensor]:
+    """Zero the gradients, then backward every micro-batch of one mini-batch (``batch``: rows
+    with their reference quantities). Returns this rank's shares of the statistics.
+    ``abandon``: raise ``StepAbandoned`` before a micro-batch once a stop is agreed on."""
+    policy.optimizer.zero_grad(set_to_none=True)
+    rows = np.concatenate(plan) if plan else np.zeros(0, dtype=np.int64)
+    index = torch.as_tensor(rows, dtype=torch.long, device=batch["response_mask"].device)
+    counts = policy.all_reduce(algos.loss_normalisers(loss_mask(batch)[index]))
+    normalisers = (float(counts[0]), float(counts[1]))
+    totals: dict[str, torch.Tensor] = {}
+    for mb_rows in plan:
+        if abandon and stop_agreed(policy):
+            raise StepAbandoned
+        empty = mb_rows.size == 0
+        mb = trim(batch, np.zeros(1, dtype=np.int64) if empty else mb_rows)
+        if empty:  # joins the collectives, contributes nothing
+            mb["response_mask"] = torch.zeros_like(mb["response_mask"])
+        loss, stats = micro_batch_loss(policy, mb, normalisers)
+        loss.backward()
+        _combine(totals, stats)
+    return totals
 
 
 def micro_batch_loss(
@@ -519,7 +571,12 @@ def micro_batch_loss(
     return loss, stats
 
 
-MAX_STATS = frozenset({"rollout_corr/is_weight_max"})  # reduced by max, not summed
+def loss_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(B, L) the tokens every loss term counts: the response's, less those rejection
+    sampling masked out (``rs_keep``, when present)."""
+    if "rs_keep" in batch:
+        return batch["response_mask"] * batch["rs_keep"]
+    return batch["response_mask"]
 
 
 def rollout_mismatch(
@@ -550,6 +607,36 @@ def rollout_mismatch(
         }
 
 
+def old_log_probs_from_training(cfg: Config) -> bool:
+    """Whether the old log-probs can come from the training forward itself: with one
+    optimizer step per trainer step (one epoch, one mini-batch) every micro-batch's forward
+    runs on the weights before the update, so a separate no-grad pass would compute the same
+    numbers; with a value head that pass runs anyway (the old values), so it is kept, and
+    with rejection sampling the pass decides which tokens count in the loss."""
+    return (
+        cfg.actor.ppo_epochs == 1
+        and cfg.async_training.require_batches == 1
+        and not cfg.async_training.use_rollout_log_probs
+        and cfg.algorithm.adv_estimator != "gae"
+        # rejection sampling masks tokens out of the loss by their old log-probs: the loss
+        # normalisers of the whole mini-batch must be known before the first micro-batch
+        and cfg.algorithm.rollout_rs == "none"
+        and not cfg.actor.recompute_old_log_probs
+    )
+
+
+def stop_agreed(policy: Policy) -> bool:
+    """Whether any trainer rank has a stop signal (``runtime/signals.py``); collective, so
+    that every rank abandons a step at the same micro-batch. One float's all-reduce."""
+    flag = torch.tensor([1.0 if stop_requested() else 0.0], dtype=torch.float64)
+    return bool(policy.all_reduce(flag).item() > 0)
+
+
+def _pieces(plans: list[list[np.ndarray]]) -> Iterator[np.ndarray]:
+    for plan in plans:
+        yield from plan
+
+
 def _combine(totals: dict, stats: dict) -> None:
     """Add ``stats`` into ``totals`` (MAX_STATS: keep the larger)."""
     for k, v in stats.items():
@@ -558,87 +645,3 @@ def _combine(totals: dict, stats: dict) -> None:
             totals[k] = torch.maximum(totals[k], v)
         else:
             totals[k] = totals.get(k, 0.0) + v
-
-
-def accumulate_gradients(
-    policy: Policy, batch: dict[str, torch.Tensor], plan: list[np.ndarray], abandon: bool = False
-) -> dict[str, torch.Tensor]:
-    """Zero the gradients, then backward every micro-batch of one mini-batch (``batch``: rows
-    with their reference quantities). Returns this rank's shares of the statistics.
-    ``abandon``: raise ``StepAbandoned`` before a micro-batch once a stop is agreed on."""
-    policy.optimizer.zero_grad(set_to_none=True)
-    rows = np.concatenate(plan) if plan else np.zeros(0, dtype=np.int64)
-    index = torch.as_tensor(rows, dtype=torch.long, device=batch["response_mask"].device)
-    counts = policy.all_reduce(algos.loss_normalisers(loss_mask(batch)[index]))
-    normalisers = (float(counts[0]), float(counts[1]))
-    totals: dict[str, torch.Tensor] = {}
-    for mb_rows in plan:
-        if abandon and stop_agreed(policy):
-            raise StepAbandoned
-        empty = mb_rows.size == 0
-        mb = trim(batch, np.zeros(1, dtype=np.int64) if empty else mb_rows)
-        if empty:  # joins the collectives, contributes nothing
-            mb["response_mask"] = torch.zeros_like(mb["response_mask"])
-        loss, stats = micro_batch_loss(policy, mb, normalisers)
-        loss.backward()
-        _combine(totals, stats)
-    return totals
-
-
-class StepAbandoned(Exception):
-    """A stop signal came before the step's first optimizer step: nothing of it is kept."""
-
-
-def ppo_update(policy: Policy, batch: dict[str, torch.Tensor]) -> dict[str, float] | None:
-    """One trainer step on this rank's rows: require_batches mini-batches x ppo_epochs
-    optimizer steps. Collective over the trainer ranks; every rank returns the same
-    statistics (each a mean over the whole batch of every rank, averaged over the steps).
-
-    A stop signal (any trainer rank's, agreed on before each micro-batch) abandons the step
-    while no optimizer step has been taken: its gradients are dropped, the weights, the
-    optimizer and the LR schedule are as before it, and it returns None (the leader puts
-    the batch back). The wait from a signal to the step's end is then the micro-batch in
-    progress: with ``actor.use_dynamic_bsz`` at most ``ppo_max_token_len_per_gpu`` tokens,
-    whatever the response length (``scripts/bench_stop_latency.py --token-budgets``);
-    without it, the rank's whole shard (``ppo_micro_batch_size_per_gpu=0``) or that many
-    rows. Once an optimizer step is taken (several mini-batches or epochs) the step
-    finishes: the budget is the rest of the step."""
-    actor = policy.cfg.actor
-    plans = mini_batch_plans(policy, batch)
-    try:
-        merged = {**batch, **reference_quantities(policy, batch, plans, abandon=True)}
-        stats = accumulate_gradients(policy, merged, plans[0], abandon=True)
-    except StepAbandoned:
-        policy.optimizer.zero_grad(set_to_none=True)
-        return None
-    totals: dict[str, torch.Tensor] = {}
-    grad_norm, updates = 0.0, 0
-    for epoch in range(actor.ppo_epochs):
-        for i, plan in enumerate(plans):
-            if epoch or i:  # the first mini-batch's gradients are in already
-                stats = accumulate_gradients(policy, merged, plan)
-            _combine(totals, stats)
-            if actor.grad_clip > 0:
-                norm = torch.nn.utils.clip_grad_norm_(
-                    list(policy.module.parameters()), actor.grad_clip
-                )
-                grad_norm += float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-            policy.schedule.before_step()
-            policy.optimizer.step()
-            policy.schedule.after_step()
-            updates += 1
-    keys = sorted(k for k in totals if k not in MAX_STATS)
-    summed = policy.all_reduce(torch.stack([totals[k] for k in keys]).cpu()) if keys else []
-    stats = {k: float(v) / updates for k, v in zip(keys, summed, strict=True)}
-    for k in sorted(MAX_STATS & totals.keys()):
-        top = totals[k].reshape(1).cpu()
-        stats[k] = float(policy.all_reduce(top, op=dist.ReduceOp.MAX))
-    if actor.grad_clip > 0:
-        stats["actor/grad_norm"] = grad_norm / updates
-    stats["actor/lr"] = policy.schedule.current_lr()
-    if "rs_keep" in merged:
-        counts = algos.rejection_counts(merged["rs_keep"], batch["response_mask"])
-        tokens, total, seqs, responses = policy.all_reduce(counts.cpu()).tolist()
-        stats["rollout_rs/masked_fraction"] = tokens / max(total, 1.0)
-        stats["rollout_rs/seq_masked_fraction"] = seqs / max(responses, 1.0)
-    return stats
