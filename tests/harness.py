@@ -273,37 +273,67 @@ def end_leftover_runs() -> None:
 # -- the audits of a finished run ----------------------------------------------------------
 
 
-def sent_versions(run_dir: Path, partial: bool = False, resent: bool = False) -> dict[str, int]:
+def void_sends(run_dir: Path, rows: list[dict]) -> set[int]:
+    """Indices of ``rows`` (sent groups) that no checkpoint holds as sent: sent by a rollout
+    rank after its last part of a checkpoint in an attempt that did not finish the run (a
+    failure, or a stop whose signal reached the rank after the leader's CHECKPOINT: the rank
+    generates on until STOP, and what it sends meanwhile is dropped as the run ends). The
+    resumed run generates their groups again, from their cut tokens or their prompts."""
+    attempts = read_attempts(run_dir)[:-1]  # the last one finished the run
+    void = set()
+    for attempt in attempts:
+        end = attempt["end"] if attempt.get("end") is not None else float("inf")
+        for i, row in enumerate(rows):
+            if not attempt["start"] <= row["time"] <= end:
+                continue
+            timeline = run_dir / "timeline" / f"rank{row['rollout_rank']}.jsonl"
+            parts = [
+                span["end"]
+                for span in (read_jsonl(timeline) if timeline.exists() else [])
+                if span["span"] == "checkpoint" and attempt["start"] <= span["end"] <= end
+            ]
+            if not parts or row["time"] > max(parts):
+                void.add(i)
+    return void
+
+
+def sent_versions(run_dir: Path, partial: bool = False) -> dict[str, int]:
     """uid prefix (seed, epoch, prompt) -> the weights version its rollout rank started the
     group under, from the rollout ranks' own logs (not from anything the trainer wrote).
-    ``resent``: an attempt ended without a checkpoint, so groups it sent were generated
-    again after the resume; the last time a group was sent is the one that counts."""
+    Each group is sent once, but for sends no checkpoint holds (``void_sends``): the send
+    that counts is the last."""
     rows = [
         row for path in sorted((run_dir / "sent").glob("rank*.jsonl")) for row in read_jsonl(path)
     ]
-    if resent:
-        rows.sort(key=lambda row: row["time"])
+    void = void_sends(run_dir, rows)
+    order = sorted(range(len(rows)), key=lambda i: rows[i]["time"])
     sent: dict[str, int] = {}
-    for row in rows:
-        assert resent or row["uid_prefix"] not in sent, f"group {row['uid_prefix']} sent twice"
+    voided: set[str] = set()
+    for i in order:
+        row = rows[i]
+        uid = row["uid_prefix"]
+        assert uid not in sent or uid in voided, f"group {uid} sent twice"
+        voided.discard(uid)
+        if i in void:
+            voided.add(uid)
         # without partial rollout a group finishes under the weights it started with
         if partial:
             assert row["version_at_send"] >= row["version_generated"], row
         else:
             assert row["version_at_send"] == row["version_generated"], row
-        sent[row["uid_prefix"]] = row["version_generated"]
+        sent[uid] = row["version_generated"]
     assert sent, "no rollout rank recorded a sent group (rollout.record_sent_groups)"
     return sent
 
 
 def check_audit(
-    run_dir: Path, sync_every: int, max_staleness: int, partial: bool = False, resent: bool = False
+    run_dir: Path, sync_every: int, max_staleness: int, partial: bool = False
 ) -> list[dict]:
     """Every trained sample's staleness against an independent record: the version its
     rollout rank says it generated it under, and the version the trainer must hold at
     that step by its sync schedule (version 0 first, a new one after every ``sync_every``
     steps). Stale-dropped samples must be exactly those beyond ``max_staleness``."""
-    sent = sent_versions(run_dir, partial, resent)
+    sent = sent_versions(run_dir, partial)
     metrics = {row["step"]: row for row in split_metrics(read_jsonl(run_dir / "metrics.jsonl"))[0]}
     for step, row in metrics.items():
         assert row["param_version"] == (step - 1) // sync_every, row
