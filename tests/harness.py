@@ -279,21 +279,20 @@ def void_sends(run_dir: Path, rows: list[dict]) -> set[int]:
     failure, or a stop whose signal reached the rank after the leader's CHECKPOINT: the rank
     generates on until STOP, and what it sends meanwhile is dropped as the run ends). The
     resumed run generates their groups again, from their cut tokens or their prompts."""
-    attempts = read_attempts(run_dir)[:-1]  # the last one finished the run
+    ends = {}  # rollout rank -> the ends of its checkpoint parts, from its timeline
+    for rank in {row["rollout_rank"] for row in rows}:
+        timeline = run_dir / "timeline" / f"rank{rank}.jsonl"
+        spans = read_jsonl(timeline) if timeline.exists() else []
+        ends[rank] = [span["end"] for span in spans if span["span"] == "checkpoint"]
     void = set()
-    for attempt in attempts:
+    for attempt in read_attempts(run_dir)[:-1]:  # the last one finished the run
+        start = attempt["start"]
         end = attempt["end"] if attempt.get("end") is not None else float("inf")
         for i, row in enumerate(rows):
-            if not attempt["start"] <= row["time"] <= end:
-                continue
-            timeline = run_dir / "timeline" / f"rank{row['rollout_rank']}.jsonl"
-            parts = [
-                span["end"]
-                for span in (read_jsonl(timeline) if timeline.exists() else [])
-                if span["span"] == "checkpoint" and attempt["start"] <= span["end"] <= end
-            ]
-            if not parts or row["time"] > max(parts):
-                void.add(i)
+            if start <= row["time"] <= end:
+                parts = [t for t in ends[row["rollout_rank"]] if start <= t <= end]
+                if not parts or row["time"] > max(parts):
+                    void.add(i)
     return void
 
 
