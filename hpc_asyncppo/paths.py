@@ -35,6 +35,8 @@ Created before any rank starts (``launch/rundir.py``), read by every rank and by
   RUN_DIR/hf_final/               HF_FINAL   the final checkpoint as a Hugging Face folder
                                              (checkpoint.save_hf_final)
   RUN_DIR/report.png              REPORT     ``python -m hpc_asyncppo.report``'s image
+  RUN_DIR/gateway/                GATEWAY    data.agent: the run's bearer token and each rollout
+                                             rank's gateway address (rollout/gateway/addresses.py)
   RUN_DIR/faults_fired.jsonl      FAULTS_FIRED  faults a test or drill injected, once each
                                              (runtime/faults.py)
 
@@ -58,6 +60,7 @@ TRAINED = "trained_samples.jsonl"
 DROPPED = "dropped_samples.jsonl"
 WEIGHTS = "weights"
 SENT = "sent"
+GATEWAY = "gateway"
 TIMELINE = "timeline"
 GOODPUT = "goodput.jsonl"
 CHECKPOINTS = "checkpoints"

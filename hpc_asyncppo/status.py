@@ -23,7 +23,18 @@ from omegaconf import OmegaConf
 
 from hpc_asyncppo import goodput
 from hpc_asyncppo.launch.rundir import error_line
-from hpc_asyncppo.paths import CONFIG, ERRORS, HEARTBEATS, JOB_ID, METRICS, RANKS, SLURM, TIMELINE
+from hpc_asyncppo.paths import (
+    CONFIG,
+    ERRORS,
+    GATEWAY,
+    HEARTBEATS,
+    JOB_ID,
+    METRICS,
+    RANKS,
+    SLURM,
+    TIMELINE,
+)
+from hpc_asyncppo.rollout.gateway.addresses import TOKEN, read_addresses
 from hpc_asyncppo.runlog import format_validation, read_jsonl, read_rank_info, split_metrics
 
 
@@ -54,6 +65,7 @@ class RunStatus:
     checkpoint: Checkpoint | None = None
     errors: list[RankError] = field(default_factory=list)
     validation: list[dict] = field(default_factory=list)  # validation rows, one per step
+    gateways: list[dict] = field(default_factory=list)  # data.agent: each rollout rank's address
 
     @property
     def last(self) -> dict | None:
@@ -188,6 +200,7 @@ def collect(run_dir: Path) -> RunStatus:
         checkpoint=last_checkpoint(run_dir),
         errors=errors,
         validation=validation_rows(run_dir),
+        gateways=read_addresses(run_dir),
     )
 
 
@@ -290,6 +303,9 @@ def format_status(st: RunStatus) -> str:
         )
     if st.validation:
         lines.append(f"validation  {format_validation(st.validation[-1])}")
+    for g in st.gateways:  # where external agents call (Authorization: Bearer <token file>)
+        token = st.run_dir / GATEWAY / TOKEN
+        lines.append(f"gateway     rank {g['rank']}: {g['url']}   (bearer token in {token})")
     lines += doing_lines(st)
     lines += goodput_lines(st.run_dir)
     for err in st.errors[-3:]:

@@ -33,6 +33,8 @@ launch.json (every file under the test's tmp dir is compared before and after).
 | model_path_is_a_file          | model.path=<a file>                                 | 2 | model.path, is a file |
 | model_path_no_tokenizer       | model.path=<folder with only config.json>           | 2 | model.path, tokenizer |
 | task_not_importable           | data.task=no_such_pkg.mod:make                      | 2 | data.task, cannot be imported |
+| agent_not_importable          | data.agent=no_such_pkg.mod:run                      | 2 | data.agent, cannot be imported |
+| agent_with_own_tools          | data.agent + rollout.multi_turn on                  | 2 | data.agent, multi_turn.enable=false |
 | tool_config_not_tools         | multi_turn on, tool_config_path=<a YAML list>       | 2 | tools.yaml, 'tools' |
 | multi_turn_no_chat_template   | multi_turn on, next_digit's tiny model (no template) | 2 | multi_turn, chat template, data.task=tool_lookup |
 | data_train_missing            | data.task=jsonl without data.train                  | 2 | data.train |
@@ -280,6 +282,22 @@ CASES: dict[str, Case] = {
         lambda ws: _run(ws, "data.task=no_such_pkg.mod:make"),
         2,
         ("data.task", "cannot be imported"),
+    ),
+    "agent_not_importable": Case(
+        lambda ws: _run(ws, "data.task=tool_lookup", "data.agent=no_such_pkg.mod:run"),
+        2,
+        ("data.agent", "cannot be imported"),
+    ),
+    "agent_with_own_tools": Case(
+        lambda ws: _run(
+            ws,
+            "data.task=tool_lookup",
+            "data.agent=examples.lookup_agent:run",
+            "rollout.multi_turn.enable=true",
+            "rollout.multi_turn.tool_config_path=x.yaml",
+        ),  # fmt: skip
+        2,
+        ("data.agent", "multi_turn.enable=false"),
     ),
     "data_train_missing": Case(lambda ws: _run(ws, "data.task=jsonl", REWARD), 2, ("data.train",)),
     "data_train_no_such_file": Case(

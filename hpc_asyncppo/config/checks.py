@@ -120,6 +120,9 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "timeouts.sample_wait_s": (0, True),
     "timeouts.weight_sync_s": (0, True),
     "timeouts.rank_wait_s": (0, True),
+    "gateway.port": (0, False),
+    "gateway.agent_timeout_s": (0, True),
+    "gateway.max_request_mb": (0, True),
 }
 
 _UPPER_BOUNDS: dict[str, float] = {
@@ -257,6 +260,20 @@ RESUME_FIXED = (
 )
 
 
+def check_agent(cfg: Config) -> None:
+    """``data.agent``: what the gateway does not combine with (the function itself is
+    imported where the task is, ``tasks/registry.py`` ``load_agent``)."""
+    if cfg.rollout.multi_turn.enable:
+        raise ConfigError(
+            "data.agent runs your agent, which calls its own tools: set "
+            "rollout.multi_turn.enable=false (the project's tools are for runs without an agent)"
+        )
+    if cfg.trainer.test_freq:
+        raise ConfigError(
+            "data.agent: validation through agents is not built yet: set trainer.test_freq=0"
+        )
+
+
 def validate(cfg: Config, rollout_ranks: int = 1, train_ranks: int = 1) -> None:
     """Check every value against its allowed range; raise ConfigError naming the first bad key."""
     for key, choices in _CHOICES.items():
@@ -273,13 +290,16 @@ def validate(cfg: Config, rollout_ranks: int = 1, train_ranks: int = 1) -> None:
         cfg.async_training.partial_rollout
         and cfg.rollout.engine != "vllm"
         and not cfg.rollout.multi_turn.enable
+        and not cfg.data.agent
     ):
         # multi-turn, the hf engine's trajectories continue across syncs between two turns
         raise ConfigError(
             "async_training.partial_rollout=true needs rollout.engine=vllm, or "
-            "rollout.multi_turn.enable=true (the hf engine generates a single-turn response "
-            "whole: there is nothing to cut)"
+            "rollout.multi_turn.enable=true or data.agent (the hf engine generates a "
+            "single-turn response whole: there is nothing to cut)"
         )
+    if cfg.data.agent:
+        check_agent(cfg)
     turns = cfg.rollout.multi_turn
     if turns.tool_config_path and not turns.enable:
         raise ConfigError(

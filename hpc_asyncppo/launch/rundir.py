@@ -58,6 +58,10 @@ def prepare_run_dir(
         from hpc_asyncppo.tasks import load_val_task
 
         load_val_task(cfg.data)
+    if cfg.data.agent:
+        from hpc_asyncppo.tasks.registry import load_agent
+
+        load_agent(cfg.data)
     check_model_path(cfg.model.path)
     with removed_on_failure(run_dir):
         try:
@@ -95,6 +99,12 @@ def _write_run_dir(
         shutil.copyfile(tool_config_file(turns.tool_config_path), run_dir / TOOLS)
         turns = dataclasses.replace(turns, tool_config_path=str(run_dir / TOOLS))
         cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, multi_turn=turns))
+    if (
+        cfg.data.agent
+    ):  # the gateways' secret, before any rank starts (rollout/gateway/addresses.py)
+        from hpc_asyncppo.rollout.gateway.addresses import make_token
+
+        make_token(run_dir)
     overlong = drop_overlong_prompts(cfg, task, run_dir, tokenizer)
     for name, text in {CONFIG: to_yaml(cfg), **extra_files}.items():
         (run_dir / name).write_text(text)

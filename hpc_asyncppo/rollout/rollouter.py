@@ -73,6 +73,8 @@ from hpc_asyncppo.rollout.cut_groups import CutGroup, CutGroups
 from hpc_asyncppo.rollout.engine import EngineDied, RolloutEngine
 from hpc_asyncppo.rollout.engine_factory import make_engine
 from hpc_asyncppo.rollout.engine_weights import EngineWeights
+from hpc_asyncppo.rollout.gateway.server import Gateway
+from hpc_asyncppo.rollout.gateway.sessions import Sessions
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup
 from hpc_asyncppo.rollout.turns import Turns
 from hpc_asyncppo.rollout.validation import Validator
@@ -122,6 +124,8 @@ class Rollouter:
         )  # fmt: skip
         startup.mark("weight group joined")
         self.turns = self.make_turns()  # multi-turn: the trajectories' tool calls (or None)
+        # data.agent: the user's agents drive generation through this rank's gateway
+        self.sessions, self.gateway = self.make_gateway()
         self.schemas = [t.schema for t in self.turns.tools.values()] if self.turns else None
         # groups submitted to the engine: key -> (data epoch, position in prompts, version at start)
         self.in_flight: dict[tuple[int, int], tuple[int, int, int]] = {}
@@ -178,6 +182,33 @@ class Rollouter:
         turns = Turns(cfg, self.engine.tokenizer, tools, self.engine.eos_id, width, respond)
         return turns
 
+    def make_gateway(self) -> tuple[Sessions | None, Gateway | None]:
+        """``data.agent``: the sessions, the agents' runner and the HTTP server, listening
+        (its address in RUN_DIR/gateway/rank{i}.json)."""
+        if not self.cfg.data.agent:
+            return None, None
+        from hpc_asyncppo.rollout.gateway.addresses import read_token
+        from hpc_asyncppo.rollout.gateway.agents import AgentRunner
+        from hpc_asyncppo.rollout.gateway.server import Gateway, make_app
+        from hpc_asyncppo.tasks.registry import load_agent
+
+        cfg, token = self.cfg, read_token(self.run_dir)
+        gateway: Gateway | None = None
+        runner = AgentRunner(load_agent(cfg.data), lambda: gateway.port, token)
+        sessions = Sessions(
+            self.engine.tokenizer, self.engine.eos_id, cfg.rollout.response_length,
+            cfg.data.max_prompt_length, cfg.gateway.agent_timeout_s, runner.start,
+        )  # fmt: skip
+        runner.sessions = sessions
+        sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p}
+        app = make_app(sessions, token, Path(cfg.model.path).name or "model", sampling,
+                       int(cfg.gateway.max_request_mb * 2**20))  # fmt: skip
+        gateway = Gateway(app, cfg.gateway.host, cfg.gateway.port)
+        row = gateway.write_address(self.run_dir, self.rank)
+        log.info("rank %d: gateway listening at %s", self.rank, row["url"])
+        startup.mark("gateway listening")
+        return sessions, gateway
+
     @property
     def engine(self) -> RolloutEngine:
         return self.weights.engine
@@ -194,6 +225,8 @@ class Rollouter:
         engine.should_stop = lambda: stop_requested() is not None
         if self.turns is not None:
             engine.turn_ends = self.turns.turn_ends
+        if self.sessions is not None:
+            engine.turn_ends = self.sessions.turn_ends
         self.validator.engine = engine
 
     def prompt_of(self, key: Hashable) -> Prompt:
@@ -231,6 +264,8 @@ class Rollouter:
         self.weights.finish()  # a broadcast the leader finished before STOP
         self.engine.interrupt()  # groups still in flight were never counted as sent
         self.engine.close()
+        if self.gateway is not None:
+            self.gateway.close()
         with self.timeline.span("send"):
             self.sender.finish(self.cfg.timeouts.rank_wait_s)
         self.timeline.close()
@@ -345,6 +380,9 @@ class Rollouter:
         if self._stop_seen is None:
             self._stop_seen = now
             self.engine.interrupt()
+            if self.sessions is not None:  # the agents' calls fail: the run is stopping
+                self.sessions.stop(f"the run is stopping ({stop_requested()}): this session "
+                                   "runs again from its prompt after the resume")  # fmt: skip
             log.warning(
                 "rank %d: %s received, waiting for the checkpoint", self.rank, stop_requested()
             )
@@ -354,6 +392,8 @@ class Rollouter:
             )
             forget_stop()
             self._stop_seen = None
+            if self.sessions is not None:
+                self.sessions.carry_on()
             return False
         self.wait_a_moment()
         return True
@@ -366,7 +406,19 @@ class Rollouter:
             sofar = partial.sofar
             sampled = sofar.versions[sofar.versions >= 0]
             same = bool(np.all(sampled == self.version))
-            if self.cfg.async_training.partial_rollout or same:
+            if self.sessions is not None and not (self.sessions.live((epoch, index)) and same):
+                # an agent's session runs again from its prompt (its agent too): from a
+                # checkpoint, or cut by new weights its conversation cannot continue under
+                self.sessions.forget((epoch, index), "the session's engine restarted under "
+                                     "new weights: it runs again from its prompt")  # fmt: skip
+                self.sessions.open_group((epoch, index), self.uid_prefix(epoch, index),
+                                         self.prompts[index], self.cfg.rollout.n)  # fmt: skip
+                self.tokens_regenerated += partial.tokens
+                version_start = self.version
+            elif self.sessions is not None:  # a restarted engine's: the sessions go on
+                self.engine.resume((epoch, index), partial)
+                self.sessions.reattach((epoch, index), self.engine)
+            elif self.cfg.async_training.partial_rollout or same:
                 self.engine.resume((epoch, index), partial)
                 if self.turns is not None and partial.tools is not None:  # from a checkpoint
                     group = self.engine.groups[(epoch, index)]
@@ -394,14 +446,26 @@ class Rollouter:
         room = self.cfg.rollout.prompts_per_generate - len(self.in_flight)
         for _ in range(max(0, min(len(self.granted), room))):
             epoch, index = divmod(self.granted.popleft(), len(self.prompts))
-            self.engine.submit((epoch, index), self.prompt_ids(index), self.cfg.rollout.n)
+            if self.sessions is not None:  # its agents' first calls bring the prompt
+                prefix = self.uid_prefix(epoch, index)
+                self.sessions.open_group(
+                    (epoch, index), prefix, self.prompts[index], self.cfg.rollout.n
+                )
+            else:
+                self.engine.submit((epoch, index), self.prompt_ids(index), self.cfg.rollout.n)
             self.in_flight[(epoch, index)] = (epoch, index, self.version)
+
+    def uid_prefix(self, epoch: int, index: int) -> str:
+        """What the uids of a group's samples start with (``SampleGroup.uid``)."""
+        return f"s{self.cfg.trainer.seed}-e{epoch}-p{self.prompts[index].index}"
 
     def step_and_send(self) -> None:
         """One engine step, and the groups it finished sent (multi-turn: first the tool
         calls of turns that ended started, and the answers that came put back)."""
         if self.turns is not None and not self.turns.advance(self.engine.groups, self.prompt_of):
             time.sleep(0.002)  # every response waits for a tool: the engine has nothing to do
+        if self.sessions is not None and not self.sessions.advance(self.engine):
+            time.sleep(0.002)  # every session waits for its agent
         with self.timeline.span("generate"):
             finished = self.engine.step()
         if not finished:
@@ -447,6 +511,17 @@ class Rollouter:
             ]
             # cut groups waiting for weights (a restarted engine's, a resume's) are cut too
             + [(e, i, start, self.with_tools((e, i), p)) for e, i, start, p in self.resumed]
+            # agents' groups whose sessions have not called yet: empty
+            + [
+                (*self.in_flight[key], partial)
+                for key, partial in (
+                    self.sessions.unsubmitted(
+                        self.cfg.rollout.response_length, self.engine.pad_id, self.engine
+                    )
+                    if self.sessions is not None
+                    else []
+                )
+            ]
         )
         tree = protocol.tree_of({"rng": RngState(), "cut_groups": cut})
         folder = protocol.step_dir(self.run_dir, step)
@@ -514,12 +589,16 @@ class Rollouter:
         tokens: later than the start only when partial rollout cut it at a sync."""
         prompt = self.prompts[index]
         n = self.cfg.rollout.n
-        rewards = [
-            self.task.reward(
-                prompt, self.engine.decode(gen.response_ids[j, : gen.response_lengths[j]])
-            )
-            for j in range(n)
-        ]
+        if self.sessions is not None:  # the agents' rewards, and the prompt their calls made
+            rewards, dropped, prompt_ids, _ = self.sessions.finish((epoch, index))
+        else:
+            prompt_ids, dropped = self.prompt_ids(index), ""
+            rewards = [
+                self.task.reward(
+                    prompt, self.engine.decode(gen.response_ids[j, : gen.response_lengths[j]])
+                )
+                for j in range(n)
+            ]
         tools = {}
         if self.turns is not None:  # the tools' rewards add to the task's
             rewards = [
@@ -533,7 +612,7 @@ class Rollouter:
             rollout_rank=self.rank,
             param_version_start=version_start,
             param_version_end=max(version_start, int(gen.versions.max())),
-            prompt_ids=np.asarray(self.prompt_ids(index), dtype=np.int32),
+            prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
             response_ids=gen.response_ids,
             response_lengths=gen.response_lengths,
             rollout_log_probs=gen.log_probs,
@@ -545,6 +624,7 @@ class Rollouter:
             rollout_sync_pause_s=self.weights.pause_s,
             engine_restarts=self.weights.restarts,
             engine_restart_s=self.weights.restart_s,
+            dropped=dropped,
             **tools,
         )
 

@@ -82,20 +82,24 @@ def observation_ids(
     tokenizer: Any, answers: list[str], after_eos: bool, role: str = "tool"
 ) -> list[int]:
     """The tokens that follow the model's turn when ``answers`` come back as ``role``
-    messages (tool answers; an environment's are "user"): what the chat template puts after
-    an assistant message (``after_eos``: the turn ended with the model's EOS, which the
-    template writes itself and is dropped from the text), then the messages and the
-    generation prompt of the next assistant turn."""
+    messages (tool answers; an environment's are "user"): ``messages_after_turn``."""
+    messages = [{"role": role, "content": text} for text in answers]
+    return messages_after_turn(tokenizer, messages, after_eos)
+
+
+def messages_after_turn(tokenizer: Any, messages: list[dict], after_eos: bool) -> list[int]:
+    """The tokens that follow the model's turn when ``messages`` (tool answers, user
+    messages: chat messages as the template takes them) come after it: what the chat
+    template puts after an assistant message (``after_eos``: the turn ended with the
+    model's EOS, which the template writes itself and is dropped from the text), then the
+    messages and the generation prompt of the next assistant turn. Only these are ever
+    tokenized: the model's own tokens stay as it sampled them."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateMissing(
             "rollout.multi_turn needs a model whose tokenizer has a chat template (tool "
             "answers go back as tool messages)"
         )
-    chat = [
-        {"role": "user", "content": "?"},
-        {"role": "assistant", "content": _MARK},
-        *({"role": role, "content": text} for text in answers),
-    ]
+    chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}, *messages]
     rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     after = rendered[rendered.index(_MARK) + len(_MARK) :]
     eos = tokenizer.eos_token or ""

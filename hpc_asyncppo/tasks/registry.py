@@ -56,6 +56,15 @@ def load_task(data: DataConfig) -> Task:
     return task
 
 
+def load_agent(data: DataConfig) -> Callable[..., Any]:
+    """``data.agent``'s function (``rollout/gateway/agents.py`` runs it); ConfigError naming
+    data.agent if it does not import or is not a function."""
+    agent = import_object(data.agent, "data.agent")
+    if not callable(agent):
+        raise ConfigError(f"data.agent={data.agent!r} is not a function")
+    return agent
+
+
 def load_val_task(data: DataConfig) -> Task:
     """The task over the held-out prompts of ``data.val`` (read as ``data.train`` is), with
     the task's own reward. ConfigError or DatasetError naming data.val if it is unusable."""

@@ -189,7 +189,9 @@ class Intake:
                 # under the old weights: at max_staleness 0 their drops would otherwise
                 # use up the window). It is recorded once the batch is whole.
                 newest = version() if callable(version) else version
-                if staleness_of(group, newest) > cfg.async_training.max_staleness:
+                if group.dropped:  # the sender's reason (an agent's session failed)
+                    self._dropped(taken, group, group.dropped)
+                elif staleness_of(group, newest) > cfg.async_training.max_staleness:
                     self._dropped(taken, group, "stale")
                 elif flat and taken.filtered < refills:
                     self._dropped(taken, group, "filtered")

@@ -82,6 +82,9 @@ class SampleGroup:
     # multi-turn: (n, L) 1 on the model's own tokens, 0 on observation tokens (a tool's or
     # an environment's answer: part of the context, never trained); None: all the model's
     loss_mask: np.ndarray | None = None
+    # the sender's reason to drop the group untrained ("": train it): an agent's session
+    # failed (rollout/gateway/sessions.py); the leader records its samples as dropped with it
+    dropped: str = ""
     meta: dict = field(default_factory=dict)
 
     @property
@@ -112,6 +115,7 @@ _SCALARS = (
     "tool_s",
     "tool_wait_s",
     "trajectory_s",
+    "dropped",
 )
 _SINCE = {
     "rollout_sync_pause_s": 0.0,
@@ -123,7 +127,10 @@ _SINCE = {
     "tool_s": 0.0,
     "tool_wait_s": 0.0,
     "trajectory_s": 0.0,
+    "dropped": "",
 }  # scalars newer than some checkpoints: their default
+# absent from a group's bytes while 0 or "" (multi-turn counts, a drop): other groups keep theirs
+_QUIET = ("tool_", "trajectory_", "dropped")
 _ARRAYS = {
     "prompt_ids": np.int32,
     "response_ids": np.int32,
@@ -140,8 +147,7 @@ def encode_group(group: SampleGroup) -> np.ndarray:
     meta = {
         name: getattr(group, name)
         for name in _SCALARS
-        # multi-turn counts: absent while 0, so single-turn groups keep their bytes
-        if not (name.startswith(("tool_", "trajectory_")) and getattr(group, name) == 0)
+        if not (name.startswith(_QUIET) and not getattr(group, name))
     }
     return pack_arrays(arrays, meta)
 

@@ -1,0 +1,240 @@
+"""A session's conversation and its exact tokens.
+
+The gateway owns the chat template. A session's first call is rendered whole (its
+messages and ``tools`` through the model's template, with the generation prompt): those
+are the sequence's prompt tokens. From then on nothing the model wrote is tokenized
+again: the model's turn is kept as the engine sampled it (ids, log-probs, the weights
+version of each token), and a later call must *extend* the conversation: its messages
+start with every message so far, the model's own answers exactly as the gateway returned
+them, and go on with tool or user messages only. Only those appended messages are
+tokenized (``rollout/turns.py`` ``messages_after_turn``: what the template writes after
+an assistant turn, the messages, the next generation prompt), and they are observation
+tokens: context, loss mask 0, never trained, as the project's own tool answers are.
+
+Where the model wrote a tool call (hermes, ``<tool_call>{json}</tool_call>``, which the
+model's turn ends at), the answer carries it as OpenAI ``tool_calls`` with ids the
+session makes (``call_{session}_{turn}_{k}``): the same in every run of a deterministic
+agent. A call that does not extend (history rewritten, summarised, branched, other
+tools, an assistant message the model did not write) is refused: a session is one
+sequence (``README.md``, "Bring your own agent").
+
+Plain completions (``/v1/completions``) follow the same rule on text: a later prompt
+must start with the previous prompt and completion; the text after them is the
+observation.
+
+What it keeps per session: the messages so far (or the text so far) and the tools.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpc_asyncppo.rollout.turns import messages_after_turn
+from hpc_asyncppo.tools.hermes import BLOCK, parse_tool_calls
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+OBSERVED_ROLES = ("user", "tool", "system", "developer")  # what may follow the model's turn
+
+
+class RequestError(Exception):
+    """A request the gateway refuses: its HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = ""):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.status}}  # fmt: skip
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content as text: a string, None, or OpenAI's list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                raise RequestError(400, f"{where}: only text content parts are supported")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise RequestError(400, f"{where}: content must be a string or a list of text parts")
+
+
+def normalize(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI's messages, as the gateway compares and renders them: role, content text,
+    and where present tool_calls (id, name, arguments as parsed JSON), tool_call_id and
+    name. Fields a client sends as null (refusal, audio, ...) are dropped; RequestError
+    (400) names what cannot be read."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise RequestError(400, f"{where}: a message needs a role, one of {', '.join(ROLES)}",
+                               "messages")  # fmt: skip
+        msg: dict[str, Any] = {"role": m["role"], "content": _text(m.get("content"), where)}
+        calls = m.get("tool_calls") or []
+        if calls:
+            if m["role"] != "assistant" or not isinstance(calls, list):
+                raise RequestError(400, f"{where}: tool_calls belong to assistant messages")
+            msg["tool_calls"] = [_call(c, f"{where}.tool_calls[{k}]") for k, c in enumerate(calls)]
+        for key in ("tool_call_id", "name"):
+            if m.get(key) is not None:
+                msg[key] = str(m[key])
+        out.append(msg)
+    return out
+
+
+def _call(call: Any, where: str) -> dict[str, Any]:
+    try:
+        function = call["function"]
+        arguments = function.get("arguments") or "{}"
+        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+        return {"id": str(call.get("id", "")), "name": str(function["name"]), "arguments": parsed}
+    except (KeyError, TypeError, AttributeError, json.JSONDecodeError):
+        raise RequestError(400, f"{where}: a tool call is {{id, type, function: {{name, "
+                           "arguments}}}} with arguments a JSON object") from None  # fmt: skip
+
+
+def for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Normalized messages as chat templates take them (Qwen2.5's: a tool call's arguments
+    a mapping, under ``function``)."""
+    out = []
+    for m in messages:
+        msg = {k: v for k, v in m.items() if k != "tool_calls"}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = [
+                {"id": c["id"], "type": "function",
+                 "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in m["tool_calls"]
+            ]  # fmt: skip
+        out.append(msg)
+    return out
+
+
+def openai_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A normalized assistant message as OpenAI's answer carries it."""
+    out: dict[str, Any] = {"role": "assistant", "content": message["content"] or None}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [
+            {"id": c["id"], "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+            for c in message["tool_calls"]
+        ]  # fmt: skip
+    return out
+
+
+@dataclass
+class Answer:
+    """The model's turn, as the gateway answers a call with it."""
+
+    message: dict[str, Any]  # normalized (what the next call must repeat)
+    text: str  # the turn's text (completions: the completion)
+    finish_reason: str  # stop | length | tool_calls
+
+
+@dataclass
+class Conversation:
+    """One session's sequence: the messages so far (the model's answers as returned), or
+    for completions the text so far. ``tokenizer``: the model's (its chat template)."""
+
+    tokenizer: Any
+    session: str
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    text: str | None = None  # completions: the prompt and completions so far
+    turns: int = 0
+
+    # --- a call in --------------------------------------------------------------------------
+    def first(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+        """The first call: its prompt tokens (messages and tools through the template)."""
+        self.messages, self.tools = list(messages), tools
+        extra = {"tools": tools} if tools else {}
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                for_template(messages), add_generation_prompt=True, tokenize=True, **extra
+            )
+        except Exception as exc:  # noqa: BLE001 - the template's own complaint, as a 400
+            raise RequestError(400, f"the model's chat template cannot render these messages: "
+                               f"{exc}", "messages") from None  # fmt: skip
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def extend(
+        self, messages: list[dict[str, Any]], tools: list[dict] | None, after_eos: bool
+    ) -> list[int]:
+        """A later call: the observation tokens of the messages it appends. RequestError
+        (400) when it does not extend the conversation."""
+        known = len(self.messages)
+        if self.text is not None:
+            raise RequestError(400, f"session {self.session} is a completions session")
+        if (tools or None) != (self.tools or None):
+            raise RequestError(400, self._not_extending("its tools differ from the first call's"))
+        if messages[:known] != self.messages:
+            pairs = zip(messages, self.messages, strict=False)
+            at = next((i for i, (a, b) in enumerate(pairs) if a != b), len(messages))
+            why = f"message {at} differs from the one the session holds"
+            raise RequestError(400, self._not_extending(why))
+        appended = messages[known:]
+        if not appended:
+            raise RequestError(400, self._not_extending("no new message after the model's turn"))
+        if any(m["role"] not in OBSERVED_ROLES for m in appended):
+            raise RequestError(400, self._not_extending("an assistant message the model did "
+                                                        "not write"))  # fmt: skip
+        self.messages = list(messages)
+        return messages_after_turn(self.tokenizer, for_template(appended), after_eos)
+
+    def first_text(self, prompt: str) -> list[int]:
+        self.text = prompt
+        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def extend_text(self, prompt: str) -> list[int]:
+        if self.text is None:
+            raise RequestError(400, f"session {self.session} is a chat session")
+        if not prompt.startswith(self.text):
+            raise RequestError(
+                400,
+                self._not_extending(
+                    "the prompt does not start with the previous prompt and completion"
+                ),
+            )
+        appended, self.text = prompt[len(self.text) :], prompt
+        return list(self.tokenizer(appended, add_special_tokens=False)["input_ids"])
+
+    def _not_extending(self, why: str) -> str:
+        return (
+            f"this call does not extend session {self.session}'s conversation ({why}): a "
+            "session is one sequence; repeat every earlier message and the model's answers "
+            "as returned, then add tool or user messages"
+        )
+
+    # --- the model's turn out -----------------------------------------------------------------
+    def answer(self, tokens: list[int], ended_by_room: bool) -> Answer:
+        """The model's turn (its sampled ``tokens``) as an answer; the conversation takes
+        it. ``ended_by_room``: the turn stopped at rollout.response_length."""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        self.turns += 1
+        if self.text is not None:
+            self.text += text
+            return Answer({"role": "assistant", "content": text}, text,
+                          "length" if ended_by_room else "stop")  # fmt: skip
+        parsed = parse_tool_calls(text) if self.tools else None
+        message: dict[str, Any] = {"role": "assistant", "content": text.strip()}
+        finish = "length" if ended_by_room else "stop"
+        if parsed is not None and parsed.calls:
+            message["content"] = BLOCK.sub("", text).strip()
+            message["tool_calls"] = [
+                {"id": f"call_{self.session}_{self.turns}_{k}", "name": c.name,
+                 "arguments": c.arguments}
+                for k, c in enumerate(parsed.calls)
+            ]  # fmt: skip
+            finish = "tool_calls"
+        self.messages.append(message)
+        return Answer(message, text, finish)

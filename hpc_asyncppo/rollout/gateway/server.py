@@ -1,0 +1,292 @@
+"""The gateway's HTTP side: OpenAI's endpoints on FastAPI, served by uvicorn in a thread of
+the rollout rank.
+
+Endpoints (each also under ``/sessions/{id}``, the base URL a session's client is bound
+to; elsewhere the session is named by the ``X-Session-ID`` header)::
+
+    GET  /v1/models                 the model this run trains
+    POST /v1/chat/completions       messages (and tools) in, the model's turn out: text or
+                                    tool_calls (hermes underneath); ``stream=true`` as
+                                    server-sent events
+    POST /v1/completions            a text prompt in, the completion out
+
+Every answer also carries the exact tokens (``prompt_token_ids``, and per choice
+``token_ids``, ``token_logprobs``, ``token_versions``: the weights version that sampled
+each), as vLLM's ``return_token_ids`` does. Sampling is the run's own (the
+``rollout.*`` knobs, which the trainer's log-probs assume): a request's ``temperature``
+or ``top_p`` must be absent or equal to the run's, ``n`` 1; ``max_tokens`` is not a
+per-call limit (the session's room is ``rollout.response_length``: a turn that runs out
+of it ends with ``finish_reason: "length"``).
+
+Every request needs ``Authorization: Bearer TOKEN`` (RUN_DIR/gateway/token, readable by
+its owner only); without it: 401 and nothing else. Bad input gets OpenAI's error body:
+malformed JSON or unknown fields 400, an unknown or ended session 404, a body past
+``gateway.max_request_mb`` 413, a stopping run 503.
+
+The rank writes its address to RUN_DIR/gateway/rank{i}.json once it listens. What it
+keeps: the app and the server thread; the sessions are ``sessions.py``'s.
+"""
+
+# no "from __future__ import annotations": FastAPI reads the handlers' annotations
+import asyncio
+import hmac
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from hpc_asyncppo.rollout.gateway.addresses import address_path
+from hpc_asyncppo.rollout.gateway.chat import RequestError, normalize, openai_message
+from hpc_asyncppo.rollout.gateway.sessions import Result, Sessions
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "x-session-id"
+# the fields each endpoint reads; any other is refused (400), those the run fixes checked
+_COMMON = {"model", "stream", "stream_options", "n", "temperature", "top_p", "max_tokens",
+           "max_completion_tokens", "seed", "user", "metadata", "stop", "logprobs",
+           "top_logprobs", "extra_headers", "store", "session_id"}  # fmt: skip
+FIELDS = {
+    "chat": _COMMON | {"messages", "tools", "tool_choice", "parallel_tool_calls"},
+    "completion": _COMMON | {"prompt", "echo"},
+}
+
+
+def check_body(kind: str, body: Any, sampling: dict[str, float]) -> dict[str, Any]:
+    """A request body as the sessions take it (messages normalized); RequestError (400)
+    names the first field that is wrong."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - FIELDS[kind])
+    if unknown:
+        raise RequestError(400, f"unknown fields: {', '.join(unknown)}", unknown[0])
+    if body.get("n", 1) != 1:
+        raise RequestError(400, "n must be 1: a group's n samples are n sessions", "n")
+    for name, value in sampling.items():
+        asked = body.get(name)
+        if asked is not None and abs(float(asked) - value) > 1e-6:
+            raise RequestError(400, f"{name}={asked}: this run samples at rollout.{name}="
+                               f"{value:g} (the trainer's log-probs assume it)", name)  # fmt: skip
+    for name in ("max_tokens", "max_completion_tokens"):
+        if body.get(name) is not None and (not isinstance(body[name], int) or body[name] < 1):
+            raise RequestError(400, f"{name} must be a positive integer", name)
+    if kind == "completion":
+        if not isinstance(body.get("prompt"), str):
+            raise RequestError(400, "prompt must be a string", "prompt")
+        return {"prompt": body["prompt"]}
+    tools = body.get("tools") or None
+    if tools is not None and not (isinstance(tools, list) and all(
+            isinstance(t, dict) and t.get("type") == "function" for t in tools)):  # fmt: skip
+        raise RequestError(400, "tools must be a list of {type: function, function: {...}}",
+                           "tools")  # fmt: skip
+    if body.get("tool_choice") not in (None, "auto", "none"):
+        raise RequestError(400, "tool_choice: auto (the model decides) or none", "tool_choice")
+    if body.get("tool_choice") == "none":
+        tools = None
+    return {"messages": normalize(body.get("messages")), "tools": tools}
+
+
+def chat_response(result: Result, model: str) -> dict[str, Any]:
+    a = result.answer
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "session_id": result.session,
+        "prompt_token_ids": result.prompt_ids,
+        "choices": [
+            {
+                "index": 0,
+                "message": openai_message(a.message),
+                "finish_reason": a.finish_reason,
+                "logprobs": None,
+                **_tokens(result),
+            }
+        ],  # fmt: skip
+        "usage": _usage(result),
+    }
+
+
+def completion_response(result: Result, model: str) -> dict[str, Any]:
+    a = result.answer
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "session_id": result.session,
+        "prompt_token_ids": result.prompt_ids,
+        "choices": [
+            {
+                "index": 0,
+                "text": a.text,
+                "finish_reason": a.finish_reason,
+                "logprobs": None,
+                **_tokens(result),
+            }
+        ],  # fmt: skip
+        "usage": _usage(result),
+    }
+
+
+def _tokens(result: Result) -> dict[str, Any]:
+    return {"token_ids": result.token_ids, "token_logprobs": result.log_probs,
+            "token_versions": result.versions}  # fmt: skip
+
+
+def _usage(result: Result) -> dict[str, int]:
+    p, c = len(result.prompt_ids), len(result.token_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def chat_chunks(result: Result, model: str) -> list[dict[str, Any]]:
+    """The answer as ``chat.completion.chunk`` events: the role, the text, the tool calls,
+    then the finish reason (with the exact tokens and usage)."""
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": model}  # fmt: skip
+    message = openai_message(result.answer.message)
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                     "logprobs": None, **extra}]}  # fmt: skip
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    if message.get("content"):
+        out.append(chunk({"content": message["content"]}))
+    for k, call in enumerate(message.get("tool_calls", [])):
+        out.append(chunk({"tool_calls": [{"index": k, **call}]}))
+    last = chunk({}, result.answer.finish_reason, **_tokens(result))
+    last.update(session_id=result.session, prompt_token_ids=result.prompt_ids,
+                usage=_usage(result))  # fmt: skip
+    out.append(last)
+    return out
+
+
+def make_app(sessions: Sessions, token: str, model: str, sampling: dict[str, float],
+             max_request_bytes: int):  # fmt: skip
+    """The FastAPI app over ``sessions``."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI(title="hpc_asyncppo gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def error(exc: RequestError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            return error(RequestError(401, "a bearer token is required (RUN_DIR/gateway/token)",
+                                      kind="authentication_error"))  # fmt: skip
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_request_bytes:
+            return error(
+                RequestError(
+                    413,
+                    f"the request has {length} bytes, more than "
+                    f"gateway.max_request_mb allows ({max_request_bytes})",
+                )
+            )
+        return await call_next(request)
+
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model, "object": "model",
+                                            "owned_by": "hpc_asyncppo"}]}  # fmt: skip
+
+    async def serve(kind: str, request: Request, session: str | None):
+        raw = await request.body()
+        if len(raw) > max_request_bytes:
+            return error(
+                RequestError(
+                    413,
+                    f"the request has {len(raw)} bytes, more than "
+                    f"gateway.max_request_mb allows ({max_request_bytes})",
+                )
+            )
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return error(RequestError(400, f"the body is not JSON: {exc}"))
+        try:
+            session = session or request.headers.get(SESSION_HEADER) or (
+                body.get("session_id") if isinstance(body, dict) else None)  # fmt: skip
+            if not session:
+                raise RequestError(
+                    400,
+                    "no session: call through a session's base URL "
+                    "(/sessions/ID/v1) or send the X-Session-ID header",
+                )
+            parsed = check_body(kind, body, sampling)
+            result = await asyncio.wrap_future(sessions.post(session, kind, parsed))
+        except RequestError as exc:
+            return error(exc)
+        if kind == "completion":
+            return completion_response(result, model)
+        if not body.get("stream"):
+            return chat_response(result, model)
+
+        async def events():
+            for c in chat_chunks(result, model):
+                yield f"data: {json.dumps(c)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def chat(request: Request, session: str | None = None):
+        return await serve("chat", request, session)
+
+    async def completions(request: Request, session: str | None = None):
+        return await serve("completion", request, session)
+
+    for prefix in ("", "/sessions/{session}"):
+        app.add_api_route(f"{prefix}/v1/models", models, methods=["GET"])
+        app.add_api_route(f"{prefix}/v1/chat/completions", chat, methods=["POST"])
+        app.add_api_route(f"{prefix}/v1/completions", completions, methods=["POST"])
+    return app
+
+
+class Gateway:
+    """The server of one rollout rank: listening once built, until ``close``."""
+
+    def __init__(self, app: Any, host: str, port: int):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=1)  # fmt: skip
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, name="gateway", daemon=True
+        )
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway did not start on {host}:{self.port}")
+            time.sleep(0.01)
+
+    def write_address(self, run_dir: Path, rank: int) -> dict[str, Any]:
+        host = socket.gethostname()
+        row = {"rank": rank, "host": host, "port": self.port, "url": f"http://{host}:{self.port}/v1",
+               "pid": os.getpid()}  # fmt: skip
+        path = address_path(run_dir, rank)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(row) + "\n")
+        tmp.replace(path)
+        return row
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+        self.sock.close()

@@ -1,0 +1,396 @@
+"""The rollout rank's side of the gateway: each session is one of the engine's responses.
+
+A prompt row the leader granted becomes a group of n sessions (``rollout.n``, a GRPO
+group), named like the samples they become (``s{seed}-e{epoch}-p{index}-r{j}``). Nothing
+is generated for a session until its agent calls: the first call's messages, rendered
+by ``chat.py``, are the group's prompt (every session of a group must start from the same
+prompt tokens: the group is one prompt and n responses). The engine then generates the
+model's turn, as it generates a multi-turn trajectory's (``rollout/turns.py``): it stops
+at EOS or at a tool call's end and the response *waits*; the call is answered with that
+turn. The agent's next call appends tool or user messages: their tokens are an
+observation (loss mask 0) and the response runs again. The agent ends its session with
+a reward; once all n have ended, the engine returns the group and the rank sends it.
+
+Calls come from the HTTP server's thread (``post``, ``end``: thread-safe, each answered
+through a ``Future``); everything that touches the engine happens on the rank's loop, in
+``advance``, between two engine steps, so neither engine is ever entered from another
+thread. A session that fails (its agent raised, timed out, returned no number, never
+called, or its first call rendered another prompt than its group's) ends its response
+as it stands; its group is sent with a reason to drop it (``SampleGroup.dropped``): the
+leader records its samples as dropped and trains none of them, and the rank goes on.
+
+A stop signal fails the calls in flight with 503 and refuses new ones: the groups in
+flight are cut into the checkpoint as any are, and after the resume their prompts run
+again from the start, agents included (``tokens_regenerated`` counts what was thrown
+away), so every session is trained once or not at all. A checkpoint without a stop
+keeps the sessions going.
+
+Memory: per session in flight, its conversation (the messages, ``chat.py``) and a few
+numbers; the tokens are the engine's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hpc_asyncppo.config import MultiTurnConfig
+from hpc_asyncppo.rollout.gateway.chat import Answer, Conversation, RequestError
+from hpc_asyncppo.rollout.generation import PartialGroup, Response, ResponseGroup
+from hpc_asyncppo.rollout.turns import call_end_ids
+from hpc_asyncppo.tasks import Prompt
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Result:
+    """A call's answer and its exact tokens: the context the model saw (the sequence's
+    prompt and every token after it), what it sampled, the log-probs and the weights
+    version of each sampled token."""
+
+    session: str
+    answer: Answer
+    prompt_ids: list[int]
+    token_ids: list[int]
+    log_probs: list[float]
+    versions: list[int]
+
+
+@dataclass
+class Session:
+    id: str
+    key: Hashable  # its group's
+    j: int  # its response in the group
+    prompt: Prompt
+    conversation: Conversation
+    started: float = field(default_factory=time.monotonic)
+    opened: bool = False  # its first call reached the engine
+    call: tuple[str, dict, Future] | None = None  # the call the engine is answering
+    turn_start: int = 0  # where the model's current turn starts in the response
+    calls: int = 0
+    reward: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    failure: str | None = None
+    dragged: bool = False  # failed with another session of its group
+
+    @property
+    def ended(self) -> bool:
+        return self.reward is not None or self.failure is not None
+
+
+class Sessions:
+    """The sessions of one rollout rank (``advance`` between every two engine steps)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        eos_id: int,
+        width: int,
+        max_prompt_length: int,
+        timeout_s: float,
+        start_agent: Callable[[Session], None] | None = None,
+    ):
+        """``width``: rollout.response_length (the model's and the observations' tokens
+        together). ``start_agent``: runs ``data.agent`` for a new session (``agents.py``);
+        None: external agents drive the sessions."""
+        self.tokenizer, self.eos_id, self.width = tokenizer, eos_id, width
+        self.max_prompt_length, self.timeout_s = max_prompt_length, timeout_s
+        self.start_agent = start_agent
+        self.turn_ends = frozenset({eos_id, *call_end_ids(tokenizer, MultiTurnConfig())})
+        self.lock = threading.Lock()
+        self.inbox: deque[tuple[str, str, Any, Future]] = deque()  # from other threads
+        self.by_id: dict[str, Session] = {}
+        self.groups: dict[Hashable, list[Session]] = {}
+        self.prompts: dict[Hashable, list[int]] = {}  # each group's prompt, once it has one
+        self.stopping: str | None = None
+        self.reopened: dict[Hashable, int] = {}
+        # cumulative over the attempt
+        self.opened = 0
+        self.failed = 0
+        self.calls = 0
+
+    # --- other threads: the server and the agents -----------------------------------------
+    def post(self, session_id: str, kind: str, body: dict[str, Any]) -> Future:
+        """A call (``kind``: chat or completion) for the rank's loop; its Future gets a
+        ``Result`` or a ``RequestError``."""
+        return self._put("call", session_id, (kind, body))
+
+    def end(self, session_id: str, reward: Any) -> Future:
+        """The agent's end of a session: a reward (a number, or a dict with ``reward``
+        and extra numbers to log), or an exception (the agent failed)."""
+        return self._put("end", session_id, reward)
+
+    def _put(self, what: str, session_id: str, payload: Any) -> Future:
+        future: Future = Future()
+        with self.lock:
+            session = self.by_id.get(session_id)
+            if self.stopping and what == "call":
+                future.set_exception(RequestError(503, self.stopping, kind="run_stopping"))
+            elif session is None or session.ended:
+                future.set_exception(
+                    RequestError(
+                        404,
+                        f"no session {session_id!r} in flight on this rank",
+                        kind="not_found_error",
+                    )
+                )
+            else:
+                self.inbox.append((what, session_id, payload, future))
+        return future
+
+    # --- the rank's loop ------------------------------------------------------------------
+    def open_group(self, key: Hashable, uid_prefix: str, prompt: Prompt, n: int) -> None:
+        """A granted prompt row: n sessions, each with its agent started (if any)."""
+        # a group opened again on this rank (its engine restarted under new weights) gets
+        # new session ids: the old agents' late calls find no session
+        again = self.reopened[key] = self.reopened.get(key, -1) + 1
+        group = [
+            Session(f"{uid_prefix}-r{j}" + (f".{again}" if again else ""), key, j, prompt,
+                    Conversation(self.tokenizer, f"{uid_prefix}-r{j}"))
+            for j in range(n)
+        ]  # fmt: skip
+        with self.lock:
+            self.groups[key] = group
+            self.by_id.update((s.id, s) for s in group)
+        for s in group:
+            if self.start_agent is not None:
+                self.start_agent(s)
+
+    def live(self, key: Hashable) -> bool:
+        return key in self.groups
+
+    def reattach(self, key: Hashable, engine: Any) -> None:
+        """A group continued on a restarted engine from its tokens: the responses of
+        sessions that have not called yet wait again, those ended stay ended."""
+        for s in self.groups[key]:
+            r = self._response(engine, s)
+            if s.ended:
+                r.waiting, r.finished = False, True
+            elif not s.opened:
+                r.waiting = True
+
+    def advance(self, engine: Any) -> bool:
+        """Answer the calls whose turns ended, take in what came, end the sessions out of
+        time. True while some response may run on the engine."""
+        for group in self.groups.values():
+            for s in group:
+                if s.call is not None:
+                    r = self._response(engine, s)
+                    if r.finished or (r.waiting and len(r.tokens) > s.turn_start):
+                        self._answer(engine, s, r)
+        while True:
+            with self.lock:
+                if not self.inbox:
+                    break
+                what, session_id, payload, future = self.inbox.popleft()
+            s = self.by_id.get(session_id)
+            if s is None or s.ended:
+                future.set_exception(RequestError(404, f"session {session_id!r} has ended",
+                                                  kind="not_found_error"))  # fmt: skip
+                continue
+            try:
+                if what == "call":
+                    self._call(engine, s, *payload, future)
+                else:
+                    self._end(engine, s, payload)
+                    future.set_result(None)
+            except RequestError as exc:
+                future.set_exception(exc)
+        now = time.monotonic()
+        for group in self.groups.values():
+            for s in group:
+                if not s.ended and now - s.started > self.timeout_s:
+                    self._fail(engine, s, f"its agent did not end it within "
+                               f"gateway.agent_timeout_s={self.timeout_s:g} s")  # fmt: skip
+        return any(r.runnable for g in engine.groups.values() for r in g.responses)
+
+    def _response(self, engine: Any, s: Session) -> Response:
+        return engine.groups[s.key].responses[s.j]
+
+    def _call(self, engine: Any, s: Session, kind: str, body: dict, future: Future) -> None:
+        if s.call is not None:
+            raise RequestError(409, f"session {s.id} has a call running: one at a time")
+        if not s.opened:
+            r = self._open(engine, s, kind, body)
+        else:
+            r = self._response(engine, s)
+            if r.finished:
+                raise RequestError(400, f"session {s.id} has no room left in "
+                                   f"rollout.response_length={self.width}: end it")  # fmt: skip
+            after_eos = bool(r.tokens) and r.tokens[-1] == self.eos_id
+            if kind == "chat":
+                ids = s.conversation.extend(body["messages"], body.get("tools"), after_eos)
+            else:
+                ids = s.conversation.extend_text(body["prompt"])
+            room = self.width - len(r.tokens)
+            r.observe(ids[:room])
+            r.waiting = False
+            if len(ids) >= room:
+                r.finished = True
+        s.call = (kind, body, future)
+        s.turn_start = len(r.tokens)
+        s.calls += 1
+        self.calls += 1
+        if r.finished:  # no room for the model's turn
+            self._answer(engine, s, r)
+
+    def _open(self, engine: Any, s: Session, kind: str, body: dict) -> Response:
+        """A session's first call: the group's prompt, or the same tokens as it."""
+        if kind == "chat":
+            ids = s.conversation.first(body["messages"], body.get("tools"))
+        else:
+            ids = s.conversation.first_text(body["prompt"])
+        if len(ids) > self.max_prompt_length:
+            raise RequestError(400, f"the prompt has {len(ids)} tokens, more than "
+                               f"data.max_prompt_length={self.max_prompt_length}",
+                               "messages")  # fmt: skip
+        if s.key not in engine.groups:
+            group = self.groups[s.key]
+            engine.submit(s.key, ids, len(group))
+            self.prompts[s.key] = list(ids)
+            for other in engine.groups[s.key].responses:
+                other.waiting = True  # until its own session calls
+        elif engine.groups[s.key].prompt != ids:
+            first = next(o.id for o in self.groups[s.key] if o.opened)
+            self._fail(
+                engine,
+                s,
+                "its first call rendered other prompt tokens than session "
+                f"{first}'s: the sessions of a group start from the same prompt",
+            )
+            raise RequestError(400, f"session {s.id}: {s.failure}", "messages")
+        r = self._response(engine, s)
+        r.waiting = False
+        s.opened = True
+        self.opened += 1
+        return r
+
+    def _answer(self, engine: Any, s: Session, r: Response) -> None:
+        kind, body, future = s.call
+        s.call = None
+        tokens = r.tokens[s.turn_start :]
+        ended_by_room = r.finished and not (tokens and tokens[-1] in self.turn_ends)
+        answer = s.conversation.answer(tokens, ended_by_room)
+        prompt = self.prompts[s.key] + r.tokens[: s.turn_start]
+        future.set_result(Result(s.id, answer, prompt, tokens, r.log_probs[s.turn_start :],
+                                 r.versions[s.turn_start :]))  # fmt: skip
+
+    def _end(self, engine: Any, s: Session, outcome: Any) -> None:
+        if isinstance(outcome, BaseException):
+            self._fail(engine, s, f"its agent raised {type(outcome).__name__}: {outcome}")
+            return
+        if s.call is not None:
+            raise RequestError(409, f"session {s.id} has a call running: end it after the answer")
+        reward, extra = outcome, {}
+        if isinstance(outcome, dict):
+            reward, extra = outcome.get("reward"), {k: v for k, v in outcome.items()
+                                                    if k != "reward"}  # fmt: skip
+        try:
+            value = float(reward)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not math.isfinite(value):
+            self._fail(engine, s, f"its agent returned {outcome!r}, not a finite reward")
+            return
+        if not s.opened:
+            self._fail(engine, s, "its agent ended it without a call")
+            return
+        s.reward, s.extra = value, extra
+        r = self._response(engine, s)
+        r.waiting, r.finished = False, True
+
+    def _fail(self, engine: Any, s: Session, why: str) -> None:
+        s.failure = why
+        self.failed += 1
+        log.warning("session %s failed: %s", s.id, why)
+        if s.call is not None:
+            s.call[2].set_exception(RequestError(500, f"session {s.id} failed: {why}"))
+            s.call = None
+        if s.key not in engine.groups:  # no session of the group called: the group has
+            group = self.groups[s.key]  # no prompt; it ends, empty, and is dropped
+            engine.submit(s.key, [self.eos_id], len(group))
+            self.prompts[s.key] = [self.eos_id]
+            for other in engine.groups[s.key].responses:
+                other.waiting = True
+        r = self._response(engine, s)
+        r.waiting, r.finished = False, True
+        for other in self.groups[s.key]:  # the group is dropped: its other agents stop too
+            if not other.opened and not other.ended:
+                other.failure, other.dragged = f"session {s.id} of its group failed", True
+                self._response(engine, other).finished = True
+
+    def finish(self, key: Hashable) -> tuple[list[float], str, list[int], dict[str, float]]:
+        """A group the engine returned: its rewards, why it is dropped ("" to train it),
+        its prompt tokens, and the agents' extra numbers (means over the group)."""
+        with self.lock:
+            group = self.groups.pop(key)
+            for s in group:
+                self.by_id.pop(s.id, None)
+        prompt = self.prompts.pop(key)
+        failed = sorted((s for s in group if s.failure is not None), key=lambda s: s.dragged)
+        rewards = [s.reward if s.reward is not None else 0.0 for s in group]
+        dropped = f"agent failed: session {failed[0].id}: {failed[0].failure}" if failed else ""
+        extra: dict[str, float] = {}
+        for name in sorted({k for s in group for k in s.extra}):
+            values = [s.extra.get(name) for s in group]
+            if all(isinstance(v, int | float) for v in values):
+                extra[name] = float(np.mean(values))
+        return rewards, dropped, prompt, extra
+
+    def unsubmitted(
+        self, width: int, pad_id: int, engine: Any
+    ) -> list[tuple[Hashable, PartialGroup]]:
+        """Groups in flight whose sessions have not called yet (no prompt, no tokens): cut
+        into a checkpoint as empty groups, their prompts run again after a resume."""
+        return [
+            (key, ResponseGroup([self.eos_id], [Response() for _ in group]).partial(width, pad_id))
+            for key, group in self.groups.items()
+            if key not in engine.groups
+        ]
+
+    def forget(self, key: Hashable, why: str) -> None:
+        """A group given up on this rank (it runs again from its prompt): its calls fail."""
+        with self.lock:
+            group = self.groups.pop(key, [])
+            for s in group:
+                self.by_id.pop(s.id, None)
+        self.prompts.pop(key, None)
+        for s in group:
+            if s.call is not None:
+                s.call[2].set_exception(RequestError(503, why, kind="run_stopping"))
+                s.call = None
+            s.failure = s.failure or why
+
+    def stop(self, why: str) -> None:
+        """A stop signal: the calls in flight fail with 503, and every new one."""
+        with self.lock:
+            self.stopping = why
+            pending = list(self.inbox)
+            self.inbox.clear()
+        for _, _, _, future in pending:
+            future.set_exception(RequestError(503, why, kind="run_stopping"))
+        for group in self.groups.values():
+            for s in group:
+                if s.call is not None:
+                    s.call[2].set_exception(RequestError(503, why, kind="run_stopping"))
+                    s.call = None
+
+    def carry_on(self) -> None:
+        """The stop was withdrawn (no checkpoint came): calls are taken again."""
+        with self.lock:
+            self.stopping = None
+
+    @property
+    def counts(self) -> dict[str, float]:
+        return {"agent_sessions": self.opened, "agent_failed": self.failed,
+                "agent_calls": self.calls}  # fmt: skip

@@ -1,0 +1,61 @@
+"""Your own agent (``data.agent``) driving generation through the rollout ranks' gateways
+under mpirun, on the transformers engine: the example lookup agent stopped by SIGTERM
+with sessions in flight, resumed on two rollout ranks, stopped again, resumed on one, with
+every session of every prompt trained exactly once; agents that fail drop their groups with
+the reason, and the run goes on. The exact tokens of each call and session:
+tests/rollout/test_gateway.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpc_asyncppo.rollout.gateway.addresses import read_addresses
+from hpc_asyncppo.runlog import read_jsonl
+from tests.harness import Run, check_audit
+
+pytestmark = pytest.mark.mpi
+
+MAX_STALENESS = 2
+AGENT = [
+    "data.task=tool_lookup",
+    "data.agent=tests.integration.agents:slow_and_failing",
+    "rollout.response_length=10",
+    "actor.ppo_mini_batch_size=4",
+    "async_training.trigger_parameter_sync_step=1",
+    "rollout.record_sent_groups=true",
+    "timeouts.sample_wait_s=120",
+    f"async_training.max_staleness={MAX_STALENESS}",
+]
+
+
+@pytest.mark.timeout(900)
+def test_agent_sessions_stopped_in_flight_resume_on_other_rank_counts_trained_once(tmp_path):
+    run_dir = tmp_path / "run"
+    steps = 9
+    run = Run.start(run_dir, *AGENT, f"trainer.total_steps={steps}", rollout_ranks=1,
+                    train_ranks=1)  # fmt: skip
+    for rollout_ranks, step in ((2, 3), (1, 6)):
+        run.wait_for_step(step)
+        assert read_addresses(run_dir)  # every rollout rank listens, and says where
+        run.stop()
+        run.resume(rollout_ranks=rollout_ranks)
+    proc = run.finish()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    trained = check_audit(run_dir, sync_every=1, max_staleness=MAX_STALENESS)
+    dropped = read_jsonl(run_dir / "dropped_samples.jsonl")
+    # every prompt's n sessions were trained once, or dropped once with its agent's failure
+    uids = [r["uid"] for r in trained] + [r["uid"] for r in dropped]
+    assert len(uids) == len(set(uids))
+    assert len(trained) == steps * 4 * 8
+    failures = {r["uid"].rsplit("-r", 1)[0]: r["reason"] for r in dropped if r["reason"] != "stale"}
+    assert failures, "no failing agent's group was dropped"
+    for prefix, reason in failures.items():
+        index = int(prefix.rsplit("-p", 1)[1])
+        assert index % 7 == 3 and reason.startswith("agent failed: session"), (prefix, reason)
+        why = ["raised RuntimeError: injected agent failure", "not a finite reward",
+               "ended it without a call"][(index // 7) % 3]  # fmt: skip
+        assert why in reason, reason
+    assert all(int(r["uid"].split("-p")[1].split("-")[0]) % 7 != 3 for r in trained)
+    # the sessions cut by each stop ran again from their prompts
+    attempts = read_jsonl(run_dir / "goodput.jsonl")
+    assert [a["reason"] for a in attempts][-1] == "finished" and len(attempts) == 3

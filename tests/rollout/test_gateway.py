@@ -1,0 +1,338 @@
+"""The gateway driven by the real ``openai`` client (sync, async, streaming) over real HTTP
+(uvicorn), in front of the real transformers engine and the tiny lookup model's real
+tokenizer and chat template. The rollout rank's loop is played by a thread that does what
+``Rollouter.step_and_send`` does (``Sessions.advance``, ``engine.step``, ``finish``).
+
+The model is programmed so that its turns are known (``bigram``): after ``=`` it writes
+the lookup call, after a digit EOS. So every call's answer is asserted exactly, and each
+session's trained tokens are compared with the chat template's tokens of its final
+conversation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from hpc_asyncppo.config import DataConfig, ModelConfig, RolloutConfig, TinyModelConfig
+from hpc_asyncppo.models.tiny import build_tiny_model
+from hpc_asyncppo.rollout.gateway.addresses import make_token, read_addresses
+from hpc_asyncppo.rollout.gateway.server import Gateway, make_app
+from hpc_asyncppo.rollout.gateway.sessions import Sessions
+from hpc_asyncppo.rollout.hf_engine import HFEngine
+from hpc_asyncppo.tasks import Prompt
+from hpc_asyncppo.tasks.tool_lookup import CALL, CHAT_TEMPLATE, ToolLookupTask
+from tests.harness import HANG_S
+
+WIDTH = 12
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "the answer",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
+
+
+def bigram(model_dir: Path, next_word: dict[str, str], default: str = "<eos>") -> None:
+    """Make the tiny Llama a machine whose next token depends only on the current one:
+    the layers' outputs zeroed (the residual stream is the token's embedding, one-hot),
+    the LM head mapping each word to ``next_word``'s (``default`` otherwise), logits 40
+    apart: sampling at temperature 1 picks it with probability 1 - 1e-16."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = LlamaForCausalLM.from_pretrained(model_dir)
+    vocab = tokenizer.get_vocab()
+    hidden = model.config.hidden_size
+    assert len(vocab) <= hidden
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.zero_()
+        model.lm_head.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        for word, i in vocab.items():
+            model.model.embed_tokens.weight[i, i] = 1.0
+            target = vocab[next_word.get(word, default)]
+            model.lm_head.weight[target, i] = 40.0 / hidden**0.5
+    model.save_pretrained(model_dir)
+
+
+class Loop(threading.Thread):
+    """The rollout rank's loop, as far as sessions go: groups opened, the engine stepped
+    between two ``advance``s, finished groups scored by their sessions."""
+
+    def __init__(self, engine: HFEngine, sessions: Sessions):
+        super().__init__(daemon=True)
+        self.engine, self.sessions = engine, sessions
+        self.opening: queue.Queue = queue.Queue()
+        self.done: dict = {}
+        self.halt = False
+
+    def open(self, key, n: int, prompt: Prompt) -> list[str]:
+        self.opening.put((key, n, prompt))
+        deadline = time.monotonic() + HANG_S
+        while not self.sessions.live(key) and key not in self.done:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        return [f"s1-e0-p{prompt.index}-r{j}" for j in range(n)]
+
+    def run(self) -> None:
+        while not self.halt:
+            while not self.opening.empty():
+                key, n, prompt = self.opening.get()
+                self.sessions.open_group(key, f"s1-e0-p{prompt.index}", prompt, n)
+            runnable = self.sessions.advance(self.engine)
+            for key, gen in self.engine.step():
+                self.done[key] = (gen, *self.sessions.finish(key))
+            if not runnable:
+                time.sleep(0.002)
+
+    def result(self, key):
+        deadline = time.monotonic() + HANG_S
+        while key not in self.done:
+            assert time.monotonic() < deadline, "the group never finished"
+            time.sleep(0.01)
+        return self.done[key]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gateway")
+    task = ToolLookupTask(DataConfig(num_prompts=8))
+    model_dir = build_tiny_model(root / "model", task.vocabulary(), TinyModelConfig(), 3,
+                                 CHAT_TEMPLATE)  # fmt: skip
+    bigram(model_dir, {"=": CALL[0], CALL[0]: CALL[1]})
+    engine = HFEngine(ModelConfig(path=str(model_dir)), RolloutConfig(response_length=WIDTH),
+                      torch.device("cpu"))  # fmt: skip
+    engine.version = 3
+    sessions = Sessions(engine.tokenizer, engine.eos_id, WIDTH, 16, timeout_s=HANG_S)
+    engine.turn_ends = sessions.turn_ends
+    token = make_token(root)
+    app = make_app(sessions, token, "tiny", {"temperature": 1.0, "top_p": 1.0}, 4096)
+    gateway = Gateway(app, "127.0.0.1", 0)
+    gateway.write_address(root, 0)
+    loop = Loop(engine, sessions)
+    loop.start()
+    yield {"root": root, "engine": engine, "sessions": sessions, "loop": loop, "token": token,
+           "url": f"http://127.0.0.1:{gateway.port}", "task": task}  # fmt: skip
+    loop.halt = True
+    loop.join(timeout=HANG_S)
+    gateway.close()
+
+
+def client(served, session: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served['url']}/sessions/{session}/v1",
+                         api_key=served["token"], max_retries=0)  # fmt: skip
+
+
+def render(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template's tokens of a conversation (no generation prompt: it ends with
+    the model's last turn)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def check_trained(served, gen, prompt_ids, j: int, conversation: list[dict], sampled: list[int]):
+    """Session j's sample: prompt and response are the template's tokens of its final
+    conversation; the model's tokens are those sampled, the rest observation holes."""
+    length = int(gen.response_lengths[j])
+    response = gen.response_ids[j, :length].tolist()
+    tokenizer = served["engine"].tokenizer
+    assert list(prompt_ids) + response == render(tokenizer, conversation)
+    mask = gen.loss_mask[j, :length] if gen.loss_mask is not None else np.ones(length)
+    assert [t for t, m in zip(response, mask, strict=True) if m] == sampled
+    assert all(v == 3 for v, m in zip(gen.versions[j, :length], mask, strict=True) if m)
+
+
+def test_a_sync_client_calls_the_tool_and_the_trained_tokens_are_the_conversations(served):
+    prompt = served["task"].prompts()[0]  # "question ... ="
+    key = ("sync", 0)
+    ids = served["loop"].open(key, 2, prompt)
+    first = served["engine"].tokenizer.decode(
+        served["engine"].encode(prompt.text), skip_special_tokens=True)  # fmt: skip
+    sampled: dict[int, list[int]] = {}
+    conversations = {}
+    for j, sid in enumerate(ids):
+        c = client(served, sid)
+        messages = [{"role": "user", "content": first}]
+        answer = c.chat.completions.create(model="tiny", messages=messages, tools=[LOOKUP])
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        [call] = choice.message.tool_calls
+        assert call.function.name == "lookup" and json.loads(call.function.arguments) == {}
+        assert call.id == f"call_{sid}_1_0"
+        raw = answer.model_extra
+        assert raw["prompt_token_ids"] == served["engine"].encode(first)
+        assert choice.model_extra["token_ids"] == served["engine"].encode(" ".join(CALL))
+        assert choice.model_extra["token_versions"] == [3, 3]
+        sampled[j] = list(choice.model_extra["token_ids"])
+        # the agent answers the call, as an OpenAI agent does: the model's message back
+        # as it came, then the tool's
+        messages += [
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": prompt.ground_truth},
+        ]
+        answer = c.chat.completions.create(model="tiny", messages=messages, tools=[LOOKUP])
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop" and not choice.message.tool_calls
+        eos = served["engine"].eos_id
+        assert choice.model_extra["token_ids"] == [eos]
+        # the context the model saw: everything before, observation tokens included
+        tail = served["engine"].encode(f"<eos> <tool_response> {prompt.ground_truth}")
+        assert answer.model_extra["prompt_token_ids"][-len(tail) :] == tail
+        sampled[j] += [eos]
+        served["sessions"].end(sid, 1.0 if j == 0 else {"reward": 0.5, "turns": 2}).result(
+            timeout=HANG_S)  # fmt: skip
+        conversations[j] = [
+            {"role": "user", "content": first},
+            {"role": "assistant", "content": " ".join(CALL)},
+            {"role": "tool", "content": prompt.ground_truth},
+            {"role": "assistant", "content": ""},
+        ]
+    gen, rewards, dropped, prompt_ids, extra = served["loop"].result(key)
+    assert rewards == [1.0, 0.5] and dropped == "" and extra == {}  # "turns": not on every one
+    for j in range(2):
+        check_trained(served, gen, prompt_ids, j, conversations[j], sampled[j])
+
+
+def test_async_and_streaming_clients_get_the_same_answers(served):
+    prompt = served["task"].prompts()[1]
+    key = ("async", 1)
+    ids = served["loop"].open(key, 2, prompt)
+
+    async def agent(sid: str):
+        async with openai.AsyncOpenAI(base_url=f"{served['url']}/sessions/{sid}/v1",
+                                      api_key=served["token"], max_retries=0) as c:  # fmt: skip
+            messages = [{"role": "user", "content": prompt.text}]
+            answer = await c.chat.completions.create(model="tiny", messages=messages,
+                                                     tools=[LOOKUP])  # fmt: skip
+            return answer.choices[0]
+
+    plain = asyncio.run(agent(ids[0]))
+    stream = client(served, ids[1]).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": prompt.text}], tools=[LOOKUP],
+        stream=True,
+    )  # fmt: skip
+    chunks = list(stream)
+    calls = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert [c.function.name for c in calls] == [plain.message.tool_calls[0].function.name]
+    assert calls[0].id == f"call_{ids[1]}_1_0"
+    assert chunks[-1].choices[0].finish_reason == plain.finish_reason == "tool_calls"
+    assert chunks[-1].choices[0].model_extra["token_ids"] == plain.model_extra["token_ids"]
+    for sid in ids:
+        served["sessions"].end(sid, 0.0).result(timeout=HANG_S)
+    gen, rewards, dropped, *_ = served["loop"].result(key)
+    assert dropped == "" and gen.response_lengths.tolist() == [2, 2]
+
+
+def post(served, path: str, body, headers=None, token=True) -> httpx.Response:
+    h = {"Authorization": f"Bearer {served['token']}"} if token else {}
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(served["url"] + path, content=data, headers={**h, **(headers or {})},
+                      timeout=HANG_S)  # fmt: skip
+
+
+def test_without_the_token_every_request_gets_401_and_nothing_happens(served):
+    prompt = served["task"].prompts()[2]
+    key = ("auth", 2)
+    [sid] = served["loop"].open(key, 1, prompt)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": prompt.text}]}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": served["token"]}):
+        r = post(served, f"/sessions/{sid}/v1/chat/completions", body, headers, token=False)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.get(served["url"] + "/v1/models", timeout=HANG_S)
+    assert r.status_code == 401
+    assert served["sessions"].by_id[sid].calls == 0 and key not in served["engine"].groups
+    assert (served["root"] / "gateway" / "token").stat().st_mode & 0o777 == 0o600
+    assert read_addresses(served["root"])[0]["port"] == int(served["url"].rsplit(":", 1)[1])
+    served["sessions"].end(sid, ValueError("done")).result(timeout=HANG_S)
+    assert served["loop"].result(key)[2].startswith("agent failed: session s1-e0-p2-r0")
+
+
+def test_bad_requests_get_openai_errors_and_change_nothing(served):
+    prompt = served["task"].prompts()[3]
+    key = ("bad", 3)
+    [sid] = served["loop"].open(key, 1, prompt)
+    path = f"/sessions/{sid}/v1/chat/completions"
+    user = [{"role": "user", "content": prompt.text}]
+    cases = [
+        (b"{not json", 400, None),
+        ({"model": "tiny", "messages": user, "frobnicate": 1}, 400, "frobnicate"),
+        ({"model": "tiny", "messages": []}, 400, "messages"),
+        ({"model": "tiny", "messages": user, "temperature": 0.3}, 400, "temperature"),
+        ({"model": "tiny", "messages": user, "n": 2}, 400, "n"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "= " * 40}]},
+            400,
+            "messages",
+        ),  # past data.max_prompt_length (16)
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}, 413, None),
+    ]
+    for body, status, param in cases:
+        r = post(served, path, body)
+        assert r.status_code == status, (body, r.text)
+        error = r.json()["error"]
+        assert error["message"] and error["param"] == param
+    r = post(served, "/sessions/nobody/v1/chat/completions", {"model": "tiny", "messages": user})
+    assert r.status_code == 404
+    assert key not in served["engine"].groups  # no bad call reached the engine
+    # a good call, then one that rewrites the history: refused, the session goes on
+    good = post(served, path, {"model": "tiny", "messages": user, "tools": [LOOKUP]})
+    assert good.status_code == 200
+    message = good.json()["choices"][0]["message"]
+    rewritten = [{"role": "user", "content": prompt.text + " 5"}, message,
+                 {"role": "tool", "content": "1"}]  # fmt: skip
+    r = post(served, path, {"model": "tiny", "messages": rewritten, "tools": [LOOKUP]})
+    assert r.status_code == 400 and "does not extend" in r.json()["error"]["message"]
+    later = [*user, message, {"role": "tool", "content": "1"}]
+    r = post(served, path, {"model": "tiny", "messages": later, "tools": [LOOKUP]})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
+    served["sessions"].end(sid, 1.0).result(timeout=HANG_S)
+    gen, rewards, dropped, *_ = served["loop"].result(key)
+    length = int(gen.response_lengths[0])  # the call (2 tokens), then EOS: the model's
+    assert dropped == "" and gen.loss_mask[0, :length].tolist() == [1, 1, 0, 0, 0, 1]
+
+
+def test_a_session_whose_first_prompt_differs_from_its_groups_fails_and_drops_the_group(served):
+    prompt = served["task"].prompts()[4]
+    key = ("differ", 4)
+    a, b = served["loop"].open(key, 2, prompt)
+    ok = client(served, a).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": prompt.text}])  # fmt: skip
+    assert ok.choices[0].finish_reason == "stop"  # without tools, the call is plain text
+    with pytest.raises(openai.BadRequestError, match="same prompt"):
+        client(served, b).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "question 1 ="}])  # fmt: skip
+    served["sessions"].end(a, 1.0).result(timeout=HANG_S)
+    gen, rewards, dropped, *_ = served["loop"].result(key)
+    assert dropped.startswith(f"agent failed: session {b}") and rewards == [1.0, 0.0]
+
+
+def test_a_stop_fails_the_calls_in_flight_with_503(served):
+    sessions = served["sessions"]
+    prompt = served["task"].prompts()[5]
+    [sid] = served["loop"].open(("stop", 5), 1, prompt)
+    sessions.stop("the run is stopping (SIGUSR2)")
+    try:
+        with pytest.raises(openai.APIStatusError) as info:
+            client(served, sid).chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": prompt.text}])  # fmt: skip
+        assert info.value.status_code == 503 and "stopping" in str(info.value)
+    finally:
+        sessions.carry_on()
+    sessions.end(sid, 1.0).result(timeout=HANG_S)
+    assert served["loop"].result(("stop", 5))[2].endswith("ended it without a call")
