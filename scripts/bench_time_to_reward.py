@@ -18,6 +18,10 @@ on the task's held-out prompts (``next_digit.held_out_prompts``, as the learning
     python scripts/bench_time_to_reward.py --steps 300 --seeds 1 2 3 \\
         --mode "stale0.5=async_training.staleness_threshold=0.5" \\
         --mode "stale0.5_is=async_training.staleness_threshold=0.5 algorithm.rollout_is=token"
+    python scripts/bench_time_to_reward.py --no-sync --no-default --steps 600 \\
+        --mode "in_process=rollout.multi_turn.enable=true rollout.multi_turn.tool_config_path=tools/lookup.yaml" \\
+        --mode "agent=data.agent=examples.lookup_agent:run" \\
+        --seeds 1 2 3 -- data.task=tool_lookup rollout.response_length=10   # an agent vs tools
 """
 
 from __future__ import annotations
@@ -100,6 +104,9 @@ def main() -> None:
     )
     parser.add_argument("--no-sync", action="store_true", help="leave out the sync mode")
     parser.add_argument(
+        "--no-default", action="store_true", help="leave out fully_async without --mode's"
+    )
+    parser.add_argument(
         "--greedy-val",
         action="store_true",
         help="validate greedily on held-out prompts before training and at the end",
@@ -107,7 +114,8 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="key=value for every mode")
     args = parser.parse_args()
     modes = {} if args.no_sync else {"sync": ["async_training.mode=sync"]}
-    modes["fully_async"] = []
+    if not args.no_default:
+        modes["fully_async"] = []
     for spec in args.mode:
         name, _, rest = spec.partition("=")
         modes[name] = rest.split()

@@ -122,6 +122,7 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "timeouts.rank_wait_s": (0, True),
     "gateway.port": (0, False),
     "gateway.agent_timeout_s": (0, True),
+    "gateway.claim_wait_s": (0, False),
     "gateway.max_request_mb": (0, True),
 }
 

@@ -92,6 +92,10 @@ from hpc_asyncppo.transport.weight_group import member_rank
 from hpc_asyncppo.transport.weights import WeightUpdate
 
 log = logging.getLogger(__name__)
+# data.agent on the hf engine: how long a step waits for the next calls of the sessions just
+# answered (an agent's turn is a few milliseconds of HTTP; a turn generated alone is a
+# batch of one): Sessions.gather_s
+GATHER_S = 0.05
 
 
 class Rollouter:
@@ -194,15 +198,18 @@ class Rollouter:
 
         cfg, token = self.cfg, read_token(self.run_dir)
         gateway: Gateway | None = None
-        runner = AgentRunner(load_agent(cfg.data), lambda: gateway.port, token)
+        agent = load_agent(cfg.data)  # None: external agents claim the sessions
+        runner = AgentRunner(agent, lambda: gateway.port, token) if agent else None
         sessions = Sessions(
             self.engine.tokenizer, self.engine.eos_id, cfg.rollout.response_length,
-            cfg.data.max_prompt_length, cfg.gateway.agent_timeout_s, runner.start,
+            cfg.data.max_prompt_length, cfg.gateway.agent_timeout_s,
+            runner.start if runner else None, GATHER_S if cfg.rollout.engine == "hf" else 0.0,
         )  # fmt: skip
-        runner.sessions = sessions
+        if runner is not None:
+            runner.sessions = sessions
         sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p}
         app = make_app(sessions, token, Path(cfg.model.path).name or "model", sampling,
-                       int(cfg.gateway.max_request_mb * 2**20))  # fmt: skip
+                       int(cfg.gateway.max_request_mb * 2**20), cfg.gateway.claim_wait_s)  # fmt: skip
         gateway = Gateway(app, cfg.gateway.host, cfg.gateway.port)
         row = gateway.write_address(self.run_dir, self.rank)
         log.info("rank %d: gateway listening at %s", self.rank, row["url"])
@@ -465,7 +472,8 @@ class Rollouter:
         if self.turns is not None and not self.turns.advance(self.engine.groups, self.prompt_of):
             time.sleep(0.002)  # every response waits for a tool: the engine has nothing to do
         if self.sessions is not None and not self.sessions.advance(self.engine):
-            time.sleep(0.002)  # every session waits for its agent
+            time.sleep(0.002)  # the sessions' agents have the turn: nothing to generate yet
+            return
         with self.timeline.span("generate"):
             finished = self.engine.step()
         if not finished:

@@ -56,9 +56,12 @@ def load_task(data: DataConfig) -> Task:
     return task
 
 
-def load_agent(data: DataConfig) -> Callable[..., Any]:
-    """``data.agent``'s function (``rollout/gateway/agents.py`` runs it); ConfigError naming
-    data.agent if it does not import or is not a function."""
+def load_agent(data: DataConfig) -> Callable[..., Any] | None:
+    """``data.agent``'s function (``rollout/gateway/agents.py`` runs it), None for
+    ``external`` (agents elsewhere claim the sessions); ConfigError naming data.agent if
+    it does not import or is not a function."""
+    if data.agent == "external":
+        return None
     agent = import_object(data.agent, "data.agent")
     if not callable(agent):
         raise ConfigError(f"data.agent={data.agent!r} is not a function")

@@ -7,11 +7,14 @@ tests/rollout/test_gateway.py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from hpc_asyncppo.rollout.gateway.addresses import read_addresses
 from hpc_asyncppo.runlog import read_jsonl
-from tests.harness import Run, check_audit
+from tests.harness import HANG_S, REPO, Run, check_audit
 
 pytestmark = pytest.mark.mpi
 
@@ -59,3 +62,31 @@ def test_agent_sessions_stopped_in_flight_resume_on_other_rank_counts_trained_on
     # the sessions cut by each stop ran again from their prompts
     attempts = read_jsonl(run_dir / "goodput.jsonl")
     assert [a["reason"] for a in attempts][-1] == "finished" and len(attempts) == 3
+
+
+@pytest.mark.timeout(900)
+def test_external_agent_processes_claim_every_session_of_a_run_on_two_rollout_ranks(tmp_path):
+    """``data.agent=external``: no agent in the job; two processes outside it (the example
+    ``examples/external_agent.py``) claim sessions from both ranks' gateways until the run
+    ends."""
+    run_dir = tmp_path / "run"
+    steps = 4
+    args = [a for a in AGENT if not a.startswith("data.agent=")]
+    run = Run.start(run_dir, *args, "data.agent=external", f"trainer.total_steps={steps}",
+                    rollout_ranks=2, train_ranks=1)  # fmt: skip
+    agent = [sys.executable, "examples/external_agent.py", str(run_dir), "--local"]
+    agents = [subprocess.Popen(agent, cwd=REPO, stdout=subprocess.PIPE, text=True)
+              for _ in range(2)]  # fmt: skip
+    try:
+        proc = run.finish()
+        outputs = [a.communicate(timeout=HANG_S)[0] for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [a.returncode for a in agents] == [0, 0], outputs
+    assert len({row["rank"] for row in read_addresses(run_dir)}) == 2
+    trained = check_audit(run_dir, sync_every=1, max_staleness=MAX_STALENESS)
+    assert len(trained) == steps * 4 * 8 and len({r["uid"] for r in trained}) == len(trained)
+    assert {r["rollout_rank"] for r in trained} == {0, 1}
+    assert sum(int(o.split()[2]) for o in outputs) >= len(trained) // 8  # "N sessions ended"

@@ -336,3 +336,33 @@ def test_a_stop_fails_the_calls_in_flight_with_503(served):
         sessions.carry_on()
     sessions.end(sid, 1.0).result(timeout=HANG_S)
     assert served["loop"].result(("stop", 5))[2].endswith("ended it without a call")
+
+
+def test_an_external_agent_claims_a_session_calls_and_ends_it_with_its_reward(served):
+    prompt = served["task"].prompts()[6]
+    key = ("external", 6)
+    [sid] = served["loop"].open(key, 1, prompt)
+    r = post(served, "/v1/sessions", {})
+    assert r.status_code == 200, r.text
+    claimed = r.json()
+    assert claimed["session_id"] == sid and claimed["base_url"].endswith(f"/sessions/{sid}/v1")
+    assert claimed["row"]["index"] == prompt.index
+    assert claimed["row"]["messages"] == [{"role": "user", "content": prompt.text}]
+    c = openai.OpenAI(base_url=claimed["base_url"], api_key=served["token"], max_retries=0)
+    answer = c.chat.completions.create(model="tiny", messages=claimed["row"]["messages"])
+    assert answer.choices[0].finish_reason == "stop"
+    for body, status in (({"reward": "x"}, 200), ({"reward": 1.0}, 404), ({}, 400)):
+        r = post(served, f"/v1/sessions/{sid}/reward", body)
+        assert r.status_code == status, (body, r.text)
+    gen, rewards, dropped, *_ = served["loop"].result(key)
+    assert "not a finite reward" in dropped  # {"reward": "x"} ended it, as failed
+
+
+def test_a_claim_with_every_session_taken_gets_429_with_the_count(served):
+    from fastapi.testclient import TestClient
+
+    engine = served["engine"]
+    sessions = Sessions(engine.tokenizer, engine.eos_id, WIDTH, 16, timeout_s=HANG_S)
+    app = make_app(sessions, "t", "tiny", {}, 4096, claim_wait_s=0.0)
+    r = TestClient(app).post("/v1/sessions", json={}, headers={"Authorization": "Bearer t"})
+    assert r.status_code == 429 and "0 sessions in flight" in r.json()["error"]["message"]

@@ -9,6 +9,10 @@ to; elsewhere the session is named by the ``X-Session-ID`` header)::
                                     tool_calls (hermes underneath); ``stream=true`` as
                                     server-sent events
     POST /v1/completions            a text prompt in, the completion out
+    POST /v1/sessions               (``data.agent=external``) take a session: its id, its
+                                    base URL and its prompt row; 429 when every session in
+                                    flight on the rank is taken (after ``claim_wait_s``)
+    POST /v1/sessions/{id}/reward   end a session: ``{"reward": number, ...}``
 
 Every answer also carries the exact tokens (``prompt_token_ids``, and per choice
 ``token_ids``, ``token_logprobs``, ``token_versions``: the weights version that sampled
@@ -29,6 +33,7 @@ keeps: the app and the server thread; the sessions are ``sessions.py``'s.
 
 # no "from __future__ import annotations": FastAPI reads the handlers' annotations
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -41,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_asyncppo.rollout.gateway.addresses import address_path
+from hpc_asyncppo.rollout.gateway.agents import AgentRow
 from hpc_asyncppo.rollout.gateway.chat import RequestError, normalize, openai_message
 from hpc_asyncppo.rollout.gateway.sessions import Result, Sessions
 
@@ -169,7 +175,7 @@ def chat_chunks(result: Result, model: str) -> list[dict[str, Any]]:
 
 
 def make_app(sessions: Sessions, token: str, model: str, sampling: dict[str, float],
-             max_request_bytes: int):  # fmt: skip
+             max_request_bytes: int, claim_wait_s: float = 30.0):  # fmt: skip
     """The FastAPI app over ``sessions``."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
@@ -245,6 +251,40 @@ def make_app(sessions: Sessions, token: str, model: str, sampling: dict[str, flo
     async def completions(request: Request, session: str | None = None):
         return await serve("completion", request, session)
 
+    async def claim(request: Request):
+        """External agents: take a session (waiting up to ``claim_wait_s`` for one)."""
+        deadline = time.monotonic() + claim_wait_s
+        try:
+            while (s := sessions.claim()) is None:
+                if time.monotonic() > deadline:
+                    raise RequestError(429, f"no session to claim: the {sessions.in_flight} "
+                                       "sessions in flight on this rank (rollout."
+                                       "prompts_per_generate x rollout.n) are all taken; "
+                                       "retry", kind="rate_limit_error")  # fmt: skip
+                await asyncio.sleep(0.05)
+        except RequestError as exc:
+            return error(exc)
+        base = str(request.base_url).rstrip("/")
+        row = AgentRow.of(s.prompt, s.id)
+        return {"session_id": s.id, "base_url": f"{base}/sessions/{s.id}/v1",
+                "row": dataclasses.asdict(row)}  # fmt: skip
+
+    async def reward(session: str, request: Request):
+        """External agents: end a session with its reward (a dict: reward, extra numbers)."""
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as exc:
+            return error(RequestError(400, f"the body is not JSON: {exc}"))
+        if not isinstance(body, dict) or "reward" not in body:
+            return error(RequestError(400, 'the body is {"reward": number, ...}', "reward"))
+        try:
+            await asyncio.wrap_future(sessions.end(session, body))
+        except RequestError as exc:
+            return error(exc)
+        return {"session_id": session, "ended": True}
+
+    app.add_api_route("/v1/sessions", claim, methods=["POST"])
+    app.add_api_route("/v1/sessions/{session}/reward", reward, methods=["POST"])
     for prefix in ("", "/sessions/{session}"):
         app.add_api_route(f"{prefix}/v1/models", models, methods=["GET"])
         app.add_api_route(f"{prefix}/v1/chat/completions", chat, methods=["POST"])

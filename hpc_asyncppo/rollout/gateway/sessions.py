@@ -73,10 +73,11 @@ class Session:
     j: int  # its response in the group
     prompt: Prompt
     conversation: Conversation
-    started: float = field(default_factory=time.monotonic)
+    started: float | None = None  # when its agent took it (gateway.agent_timeout_s from then)
     opened: bool = False  # its first call reached the engine
     call: tuple[str, dict, Future] | None = None  # the call the engine is answering
     turn_start: int = 0  # where the model's current turn starts in the response
+    answered: float | None = None  # when its last call was answered (its agent's turn now)
     calls: int = 0
     reward: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -99,10 +100,15 @@ class Sessions:
         max_prompt_length: int,
         timeout_s: float,
         start_agent: Callable[[Session], None] | None = None,
+        gather_s: float = 0.0,
     ):
         """``width``: rollout.response_length (the model's and the observations' tokens
         together). ``start_agent``: runs ``data.agent`` for a new session (``agents.py``);
-        None: external agents drive the sessions."""
+        None: external agents drive the sessions. ``gather_s``: how long the engine waits
+        for the next calls of sessions just answered before it generates for those that
+        came (the hf engine generates a whole turn per step: a turn started alone is a
+        batch of one; vLLM adds requests at every decoding step: 0)."""
+        self.gather_s = gather_s
         self.tokenizer, self.eos_id, self.width = tokenizer, eos_id, width
         self.max_prompt_length, self.timeout_s = max_prompt_length, timeout_s
         self.start_agent = start_agent
@@ -162,9 +168,31 @@ class Sessions:
         with self.lock:
             self.groups[key] = group
             self.by_id.update((s.id, s) for s in group)
-        for s in group:
-            if self.start_agent is not None:
+        if self.start_agent is not None:
+            for s in group:
+                s.started = time.monotonic()
                 self.start_agent(s)
+
+    def claim(self) -> Session | None:
+        """External agents (``data.agent=external``): a session no agent has taken yet, now
+        taken (its time starts), or None when every session in flight is taken."""
+        with self.lock:
+            if self.start_agent is not None:
+                raise RequestError(400, "this run's sessions are run by its data.agent "
+                                   "function: there are none to claim")  # fmt: skip
+            if self.stopping:
+                raise RequestError(503, self.stopping, kind="run_stopping")
+            for group in self.groups.values():
+                for s in group:
+                    if s.started is None and not s.ended:
+                        s.started = time.monotonic()
+                        return s
+        return None
+
+    @property
+    def in_flight(self) -> int:
+        with self.lock:
+            return len(self.by_id)
 
     def live(self, key: Hashable) -> bool:
         return key in self.groups
@@ -181,7 +209,8 @@ class Sessions:
 
     def advance(self, engine: Any) -> bool:
         """Answer the calls whose turns ended, take in what came, end the sessions out of
-        time. True while some response may run on the engine."""
+        time. True when the engine should step now: a group is complete, or a response
+        may run and no session answered within ``gather_s`` is still to call."""
         for group in self.groups.values():
             for s in group:
                 if s.call is not None:
@@ -209,10 +238,18 @@ class Sessions:
         now = time.monotonic()
         for group in self.groups.values():
             for s in group:
-                if not s.ended and now - s.started > self.timeout_s:
+                if not s.ended and s.started is not None and now - s.started > self.timeout_s:
                     self._fail(engine, s, f"its agent did not end it within "
                                f"gateway.agent_timeout_s={self.timeout_s:g} s")  # fmt: skip
-        return any(r.runnable for g in engine.groups.values() for r in g.responses)
+        if any(g.complete for g in engine.groups.values()):
+            return True
+        if not any(r.runnable for g in engine.groups.values() for r in g.responses):
+            return False
+        return not any(
+            s.call is None and not s.ended and s.answered is not None
+            and now - s.answered < self.gather_s
+            for group in self.groups.values() for s in group
+        )  # fmt: skip
 
     def _response(self, engine: Any, s: Session) -> Response:
         return engine.groups[s.key].responses[s.j]
@@ -278,6 +315,7 @@ class Sessions:
     def _answer(self, engine: Any, s: Session, r: Response) -> None:
         kind, body, future = s.call
         s.call = None
+        s.answered = time.monotonic()
         tokens = r.tokens[s.turn_start :]
         ended_by_room = r.finished and not (tokens and tokens[-1] in self.turn_ends)
         answer = s.conversation.answer(tokens, ended_by_room)
