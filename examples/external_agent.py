@@ -19,6 +19,7 @@ import json
 import sys
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -40,21 +41,21 @@ def gateways(run_dir: Path) -> list[str]:
     return urls
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument(
-        "--wait-s", type=float, default=30, help="end after this long without a session"
-    )
-    parser.add_argument("--local", action="store_true", help="call 127.0.0.1, not the host name")
-    args = parser.parse_args()
-    token = (args.run_dir / "gateway" / "token").read_text().strip()
+def agent_loop(args: argparse.Namespace, token: str) -> int:
+    """Claim, run, reward, until no gateway gives a session for ``--wait-s``; the count."""
     headers = {"Authorization": f"Bearer {token}"}
-    done, idle, turn = 0, 0, 0
-    while idle < args.wait_s * 10:  # no gateway answered for --wait-s: the run has ended
+    http = httpx.Client(timeout=None)
+    done, turn = 0, 0
+    started = time.monotonic()
+    last = None  # when a gateway last gave a session
+    while True:
+        now = time.monotonic()
+        if (last is None and now - started > args.start_wait_s) or (
+            last is not None and now - last > args.wait_s
+        ):
+            return done  # the run never started, or has ended
         urls = gateways(args.run_dir)
         if not urls:
-            idle += 1
             time.sleep(0.1)
             continue
         turn += 1
@@ -63,26 +64,48 @@ def main() -> int:
             url = "http://127.0.0.1:" + url.rsplit(":", 1)[1]
         base = url.removesuffix("/v1")
         try:
-            r = httpx.post(f"{base}/v1/sessions", headers=headers, json={}, timeout=120)
+            r = http.post(f"{base}/v1/sessions", headers=headers, json={})
         except httpx.TransportError:  # that rank is gone (the run ended, or restarts)
-            idle += 1
             time.sleep(0.1)
             continue
         if r.status_code != 200:  # 429: every session taken; 503: stopping
-            idle += 1
             time.sleep(0.1)
             continue
-        idle = 0
+        last = time.monotonic()
         claimed = r.json()
         row = types.SimpleNamespace(**claimed["row"])
-        client = openai.OpenAI(base_url=claimed["base_url"], api_key=token, max_retries=0)
+        client = openai.OpenAI(base_url=claimed["base_url"], api_key=token, max_retries=0,
+                               http_client=http)  # fmt: skip
         try:
             outcome = lookup(client, row)
         except openai.APIError:  # the run is stopping, or the session ended
             continue
-        httpx.post(f"{base}/v1/sessions/{claimed['session_id']}/reward", headers=headers,
-                   json=outcome, timeout=120)  # fmt: skip
+        http.post(f"{base}/v1/sessions/{claimed['session_id']}/reward", headers=headers,
+                  json=outcome)  # fmt: skip
         done += 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--sessions", type=int, default=8, help="sessions run at once")
+    parser.add_argument(
+        "--start-wait-s", type=float, default=600, help="for the first session (start-up)"
+    )
+    parser.add_argument(
+        "--wait-s", type=float, default=60, help="then end after this long without one"
+    )
+    parser.add_argument("--local", action="store_true", help="call 127.0.0.1, not the host name")
+    args = parser.parse_args()
+    token_file = args.run_dir / "gateway" / "token"
+    deadline = time.monotonic() + args.start_wait_s
+    while not token_file.exists():  # the run directory is being made
+        if time.monotonic() > deadline:
+            sys.exit(f"{token_file}: no such file (is {args.run_dir} a data.agent run?)")
+        time.sleep(0.1)
+    token = token_file.read_text().strip()
+    with ThreadPoolExecutor(args.sessions) as pool:
+        done = sum(pool.map(lambda _: agent_loop(args, token), range(args.sessions)))
     print(f"external agent: {done} sessions ended")
     return 0
 

@@ -199,7 +199,8 @@ class Rollouter:
         cfg, token = self.cfg, read_token(self.run_dir)
         gateway: Gateway | None = None
         agent = load_agent(cfg.data)  # None: external agents claim the sessions
-        runner = AgentRunner(agent, lambda: gateway.port, token) if agent else None
+        held = cfg.rollout.prompts_per_generate * cfg.rollout.n  # sessions in flight at most
+        runner = AgentRunner(agent, lambda: gateway.port, token, held) if agent else None
         sessions = Sessions(
             self.engine.tokenizer, self.engine.eos_id, cfg.rollout.response_length,
             cfg.data.max_prompt_length, cfg.gateway.agent_timeout_s,
@@ -471,11 +472,10 @@ class Rollouter:
         calls of turns that ended started, and the answers that came put back)."""
         if self.turns is not None and not self.turns.advance(self.engine.groups, self.prompt_of):
             time.sleep(0.002)  # every response waits for a tool: the engine has nothing to do
-        if self.sessions is not None and not self.sessions.advance(self.engine):
-            time.sleep(0.002)  # the sessions' agents have the turn: nothing to generate yet
-            return
-        with self.timeline.span("generate"):
-            finished = self.engine.step()
+        if self.sessions is not None:  # agents drive the engine; a group ends with their rewards
+            finished = self.sessions.step(self.engine, self.generate)
+        else:
+            finished = self.generate()
         if not finished:
             return
         with self.timeline.span("send"):
@@ -486,6 +486,10 @@ class Rollouter:
                 group = self.sample_group(*self.in_flight.pop(key), gen)
                 self.sender.send(group)
                 self.record_sent(group)
+
+    def generate(self) -> list[tuple[Hashable, Generation]]:
+        with self.timeline.span("generate"):
+            return self.engine.step()
 
     def record_sent(self, group: SampleGroup) -> None:
         if self.sent_log is not None:

@@ -74,7 +74,14 @@ def test_external_agent_processes_claim_every_session_of_a_run_on_two_rollout_ra
     args = [a for a in AGENT if not a.startswith("data.agent=")]
     run = Run.start(run_dir, *args, "data.agent=external", f"trainer.total_steps={steps}",
                     rollout_ranks=2, train_ranks=1)  # fmt: skip
-    agent = [sys.executable, "examples/external_agent.py", str(run_dir), "--local"]
+    agent = [
+        sys.executable,
+        "examples/external_agent.py",
+        str(run_dir),
+        "--local",
+        "--wait-s",
+        "20",
+    ]
     agents = [subprocess.Popen(agent, cwd=REPO, stdout=subprocess.PIPE, text=True)
               for _ in range(2)]  # fmt: skip
     try:

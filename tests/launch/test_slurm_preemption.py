@@ -26,7 +26,7 @@ import pytest
 from hpc_asyncppo.launch.slurm.cluster import ACTIVE_STATES, job_state
 from hpc_asyncppo.runlog import read_jsonl
 from hpc_asyncppo.tasks.order import PromptOrder
-from tests.harness import REPO
+from tests.harness import HANG_S, REPO
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("local_slurm")]
 STEPS, PROMPTS = 40, 64
@@ -44,7 +44,7 @@ def diagnosis(run_dir: Path) -> str:
     return "\n".join(parts)
 
 
-def wait_for(predicate, what: str, timeout_s: float = 240, run_dir: Path | None = None) -> None:
+def wait_for(predicate, what: str, timeout_s: float = HANG_S, run_dir: Path | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:

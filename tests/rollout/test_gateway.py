@@ -4,7 +4,7 @@ tokenizer and chat template. The rollout rank's loop is played by a thread that 
 ``Rollouter.step_and_send`` does (``Sessions.advance``, ``engine.step``, ``finish``).
 
 The model is programmed so that its turns are known (``bigram``): after ``=`` it writes
-the lookup call, after a digit EOS. So every call's answer is asserted exactly, and each
+the lookup call, after ``question`` ``question`` again, after a digit EOS. So every call's answer is asserted exactly, and each
 session's trained tokens are compared with the chat template's tokens of its final
 conversation.
 """
@@ -72,8 +72,9 @@ def bigram(model_dir: Path, next_word: dict[str, str], default: str = "<eos>") -
 
 
 class Loop(threading.Thread):
-    """The rollout rank's loop, as far as sessions go: groups opened, the engine stepped
-    between two ``advance``s, finished groups scored by their sessions."""
+    """The rollout rank's loop, as far as sessions go (``Rollouter.step_and_send``): groups
+    opened, ``Sessions.step`` (the engine stepped between the sessions' calls), the groups
+    whose sessions ended scored."""
 
     def __init__(self, engine: HFEngine, sessions: Sessions):
         super().__init__(daemon=True)
@@ -95,11 +96,8 @@ class Loop(threading.Thread):
             while not self.opening.empty():
                 key, n, prompt = self.opening.get()
                 self.sessions.open_group(key, f"s1-e0-p{prompt.index}", prompt, n)
-            runnable = self.sessions.advance(self.engine)
-            for key, gen in self.engine.step():
+            for key, gen in self.sessions.step(self.engine, self.engine.step):
                 self.done[key] = (gen, *self.sessions.finish(key))
-            if not runnable:
-                time.sleep(0.002)
 
     def result(self, key):
         deadline = time.monotonic() + HANG_S
@@ -115,7 +113,8 @@ def served(tmp_path_factory):
     task = ToolLookupTask(DataConfig(num_prompts=8))
     model_dir = build_tiny_model(root / "model", task.vocabulary(), TinyModelConfig(), 3,
                                  CHAT_TEMPLATE)  # fmt: skip
-    bigram(model_dir, {"=": CALL[0], CALL[0]: CALL[1]})
+    # after "=" the lookup call; "question" forever (a turn that fills the room); else EOS
+    bigram(model_dir, {"=": CALL[0], CALL[0]: CALL[1], "question": "question"})
     engine = HFEngine(ModelConfig(path=str(model_dir)), RolloutConfig(response_length=WIDTH),
                       torch.device("cpu"))  # fmt: skip
     engine.version = 3
@@ -366,3 +365,21 @@ def test_a_claim_with_every_session_taken_gets_429_with_the_count(served):
     app = make_app(sessions, "t", "tiny", {}, 4096, claim_wait_s=0.0)
     r = TestClient(app).post("/v1/sessions", json={}, headers={"Authorization": "Bearer t"})
     assert r.status_code == 429 and "0 sessions in flight" in r.json()["error"]["message"]
+
+
+def test_a_turn_that_fills_the_room_is_answered_and_the_group_waits_for_the_reward(served):
+    """The engine finishes the group in the step that fills the room: the call still gets
+    its answer ("length"), and the group is sent only once the agent gave its reward."""
+    prompt = served["task"].prompts()[7]
+    key = ("room", 7)
+    [sid] = served["loop"].open(key, 1, prompt)
+    c = client(served, sid)
+    answer = c.completions.create(model="tiny", prompt="question")
+    choice = answer.choices[0]
+    assert choice.finish_reason == "length" and choice.text.split() == ["question"] * WIDTH
+    assert key not in served["loop"].done  # held: the agent has not ended its session
+    with pytest.raises(openai.BadRequestError, match="no room left"):
+        c.completions.create(model="tiny", prompt="question" + choice.text + " 1")
+    served["sessions"].end(sid, 0.25).result(timeout=HANG_S)
+    gen, rewards, dropped, *_ = served["loop"].result(key)
+    assert rewards == [0.25] and dropped == "" and gen.response_lengths.tolist() == [WIDTH]

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,24 +51,29 @@ class AgentRow:
 
 
 class AgentRunner:
-    """Starts ``agent`` for each new session (``Sessions.start_agent``): a plain function in
-    a thread of its own, a coroutine function on one event loop shared by every session.
-    Their clients share one HTTP connection pool (an ``openai`` client per session would
-    build its own, about 10 ms of CPU each)."""
+    """Starts ``agent`` for each new session (``Sessions.start_agent``): a plain function on
+    a pool of threads (``threads``: the sessions a rank holds at once, and as many spare
+    for agents that outlive their session's timeout), a coroutine function on one event
+    loop shared by every session. Each thread keeps one HTTP client for the sessions it
+    runs (an ``openai`` client building its own costs about 10 ms of CPU, and one pool
+    shared by every thread spends its time on its lock)."""
 
-    def __init__(self, agent: Callable[..., Any], port: Callable[[], int], token: str):
+    def __init__(
+        self, agent: Callable[..., Any], port: Callable[[], int], token: str, threads: int
+    ):
         """``port``: the gateway's, once it listens."""
         self.agent, self.port, self.token = agent, port, token
         self.sessions: Sessions | None = None  # set by the rank once both exist
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per call
         self.is_async = inspect.iscoroutinefunction(agent)
-        self.http: Any = None  # httpx.Client, or httpx.AsyncClient on ``loop``
+        self.pool = ThreadPoolExecutor(max_workers=2 * threads, thread_name_prefix="agent")
+        self.local = threading.local()  # each thread's httpx.Client
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.async_http: Any = None  # httpx.AsyncClient, on ``loop``
 
     def start(self, session: Session) -> None:
         if not self.is_async:
-            threading.Thread(
-                target=self._run, args=(session,), name=f"agent {session.id}", daemon=True
-            ).start()
+            self.pool.submit(self._run, session)
             return
         if self.loop is None:
             self.loop = asyncio.new_event_loop()
@@ -80,11 +87,12 @@ class AgentRunner:
         import httpx
         import openai
 
-        if self.http is None:
-            self.http = httpx.Client(timeout=None, limits=httpx.Limits(max_connections=None))
+        if getattr(self.local, "http", None) is None:
+            self.local.http = httpx.Client(timeout=None)
         client = openai.OpenAI(
-            base_url=self._url(session), api_key=self.token, max_retries=0, http_client=self.http
-        )
+            base_url=self._url(session), api_key=self.token, max_retries=0,
+            http_client=self.local.http,
+        )  # fmt: skip
         try:
             outcome = self.agent(client, AgentRow.of(session.prompt, session.id))
         except Exception as exc:  # noqa: BLE001 - an agent's failure ends its session only
@@ -96,11 +104,13 @@ class AgentRunner:
         import httpx
         import openai
 
-        if self.http is None:
-            self.http = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None))
+        if self.async_http is None:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            self.async_http = httpx.AsyncClient(timeout=None, limits=limits)
         client = openai.AsyncOpenAI(
-            base_url=self._url(session), api_key=self.token, max_retries=0, http_client=self.http
-        )
+            base_url=self._url(session), api_key=self.token, max_retries=0,
+            http_client=self.async_http,
+        )  # fmt: skip
         try:
             outcome = await self.agent(client, AgentRow.of(session.prompt, session.id))
         except Exception as exc:  # noqa: BLE001 - an agent's failure ends its session only

@@ -45,7 +45,7 @@ import numpy as np
 
 from hpc_asyncppo.config import MultiTurnConfig
 from hpc_asyncppo.rollout.gateway.chat import Answer, Conversation, RequestError
-from hpc_asyncppo.rollout.generation import PartialGroup, Response, ResponseGroup
+from hpc_asyncppo.rollout.generation import Generation, PartialGroup, Response, ResponseGroup
 from hpc_asyncppo.rollout.turns import call_end_ids
 from hpc_asyncppo.tasks import Prompt
 
@@ -118,6 +118,9 @@ class Sessions:
         self.by_id: dict[str, Session] = {}
         self.groups: dict[Hashable, list[Session]] = {}
         self.prompts: dict[Hashable, list[int]] = {}  # each group's prompt, once it has one
+        # groups the engine finished (no room left, or every session ended) whose sessions
+        # have not all ended: sent once their agents give the rewards
+        self.held: dict[Hashable, Generation] = {}
         self.stopping: str | None = None
         self.reopened: dict[Hashable, int] = {}
         # cumulative over the attempt
@@ -215,7 +218,9 @@ class Sessions:
             for s in group:
                 if s.call is not None:
                     r = self._response(engine, s)
-                    if r.finished or (r.waiting and len(r.tokens) > s.turn_start):
+                    if r is not None and (
+                        r.finished or (r.waiting and len(r.tokens) > s.turn_start)
+                    ):
                         self._answer(engine, s, r)
         while True:
             with self.lock:
@@ -251,7 +256,36 @@ class Sessions:
             for group in self.groups.values() for s in group
         )  # fmt: skip
 
-    def _response(self, engine: Any, s: Session) -> Response:
+    def step(
+        self, engine: Any, generate: Callable[[], list[tuple[Hashable, Generation]]]
+    ) -> list[tuple[Hashable, Generation]]:
+        """One pass of the rank's loop: ``advance``, then ``generate`` (the engine's step)
+        if it is time; the groups whose sessions have all ended, to send."""
+        if self.advance(engine):
+            for key, gen in generate():
+                self.hold(key, gen)
+        else:
+            time.sleep(0.002)  # the agents have the turn
+        ready = [key for key in self.held if all(s.ended for s in self.groups[key])]
+        return [(key, self.held.pop(key)) for key in ready]
+
+    def hold(self, key: Hashable, gen: Generation) -> None:
+        """A group the engine finished: a call whose turn ended it (no room left) is
+        answered from ``gen``; the group waits for its sessions' rewards."""
+        for s in self.groups[key]:
+            if s.call is not None:
+                length = int(gen.response_lengths[s.j])
+                self._answer_with(
+                    s, gen.response_ids[s.j, :length].tolist(),
+                    gen.log_probs[s.j, :length].tolist(), gen.versions[s.j, :length].tolist(),
+                    finished=True,
+                )  # fmt: skip
+        self.held[key] = gen
+
+    def _response(self, engine: Any, s: Session) -> Response | None:
+        """The session's response, as the engine keeps it; None once its group is held."""
+        if s.key in self.held:
+            return None
         return engine.groups[s.key].responses[s.j]
 
     def _call(self, engine: Any, s: Session, kind: str, body: dict, future: Future) -> None:
@@ -261,7 +295,7 @@ class Sessions:
             r = self._open(engine, s, kind, body)
         else:
             r = self._response(engine, s)
-            if r.finished:
+            if r is None or r.finished:
                 raise RequestError(400, f"session {s.id} has no room left in "
                                    f"rollout.response_length={self.width}: end it")  # fmt: skip
             after_eos = bool(r.tokens) and r.tokens[-1] == self.eos_id
@@ -313,15 +347,24 @@ class Sessions:
         return r
 
     def _answer(self, engine: Any, s: Session, r: Response) -> None:
+        self._answer_with(s, r.tokens, r.log_probs, r.versions, r.finished)
+
+    def _answer_with(
+        self, s: Session, tokens: list[int], log_probs: list[float], versions: list[int],
+        finished: bool,
+    ) -> None:  # fmt: skip
+        """Answer the session's call with the model's turn: the response's tokens from
+        where the turn started. A turn that leaves no room (``finished``) and did not end
+        with EOS (a call cut, or a call with no room for its answer) ends with "length"."""
         kind, body, future = s.call
         s.call = None
         s.answered = time.monotonic()
-        tokens = r.tokens[s.turn_start :]
-        ended_by_room = r.finished and not (tokens and tokens[-1] in self.turn_ends)
-        answer = s.conversation.answer(tokens, ended_by_room)
-        prompt = self.prompts[s.key] + r.tokens[: s.turn_start]
-        future.set_result(Result(s.id, answer, prompt, tokens, r.log_probs[s.turn_start :],
-                                 r.versions[s.turn_start :]))  # fmt: skip
+        turn = tokens[s.turn_start :]
+        ended_by_room = finished and not (turn and turn[-1] == self.eos_id)
+        answer = s.conversation.answer(turn, ended_by_room)
+        prompt = self.prompts[s.key] + tokens[: s.turn_start]
+        future.set_result(Result(s.id, answer, prompt, turn, log_probs[s.turn_start :],
+                                 versions[s.turn_start :]))  # fmt: skip
 
     def _end(self, engine: Any, s: Session, outcome: Any) -> None:
         if isinstance(outcome, BaseException):
@@ -345,7 +388,8 @@ class Sessions:
             return
         s.reward, s.extra = value, extra
         r = self._response(engine, s)
-        r.waiting, r.finished = False, True
+        if r is not None:
+            r.waiting, r.finished = False, True
 
     def _fail(self, engine: Any, s: Session, why: str) -> None:
         s.failure = why
@@ -354,22 +398,24 @@ class Sessions:
         if s.call is not None:
             s.call[2].set_exception(RequestError(500, f"session {s.id} failed: {why}"))
             s.call = None
-        if s.key not in engine.groups:  # no session of the group called: the group has
-            group = self.groups[s.key]  # no prompt; it ends, empty, and is dropped
+        if s.key not in engine.groups and s.key not in self.held:  # no session of the group
+            group = self.groups[s.key]  # called: no prompt; it ends, empty, and is dropped
             engine.submit(s.key, [self.eos_id], len(group))
             self.prompts[s.key] = [self.eos_id]
             for other in engine.groups[s.key].responses:
                 other.waiting = True
         r = self._response(engine, s)
-        r.waiting, r.finished = False, True
+        if r is not None:
+            r.waiting, r.finished = False, True
         for other in self.groups[s.key]:  # the group is dropped: its other agents stop too
             if not other.opened and not other.ended:
                 other.failure, other.dragged = f"session {s.id} of its group failed", True
-                self._response(engine, other).finished = True
+                if (o := self._response(engine, other)) is not None:
+                    o.finished = True
 
     def finish(self, key: Hashable) -> tuple[list[float], str, list[int], dict[str, float]]:
-        """A group the engine returned: its rewards, why it is dropped ("" to train it),
-        its prompt tokens, and the agents' extra numbers (means over the group)."""
+        """A group ``step`` gave back: its rewards, why it is dropped ("" to train it), its
+        prompt tokens, and the agents' extra numbers (means over the group)."""
         with self.lock:
             group = self.groups.pop(key)
             for s in group:
@@ -393,7 +439,7 @@ class Sessions:
         return [
             (key, ResponseGroup([self.eos_id], [Response() for _ in group]).partial(width, pad_id))
             for key, group in self.groups.items()
-            if key not in engine.groups
+            if key not in engine.groups  # held groups too: their sessions run again
         ]
 
     def forget(self, key: Hashable, why: str) -> None:
@@ -403,6 +449,7 @@ class Sessions:
             for s in group:
                 self.by_id.pop(s.id, None)
         self.prompts.pop(key, None)
+        self.held.pop(key, None)
         for s in group:
             if s.call is not None:
                 s.call[2].set_exception(RequestError(503, why, kind="run_stopping"))
