@@ -97,11 +97,15 @@ def check_body(kind: str, body: Any, sampling: dict[str, float]) -> dict[str, An
     return {"messages": normalize(body.get("messages")), "tools": tools}
 
 
-def chat_response(result: Result, model: str) -> dict[str, Any]:
+def answer_body(result: Result, model: str, kind: str) -> dict[str, Any]:
+    """A call's answer as OpenAI's body: ``chat.completion`` (``kind`` chat: the model's
+    message) or ``text_completion`` (its text), with the exact tokens."""
     a = result.answer
+    chat = kind == "chat"
+    said = {"message": openai_message(a.message)} if chat else {"text": a.text}
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
         "session_id": result.session,
@@ -109,29 +113,7 @@ def chat_response(result: Result, model: str) -> dict[str, Any]:
         "choices": [
             {
                 "index": 0,
-                "message": openai_message(a.message),
-                "finish_reason": a.finish_reason,
-                "logprobs": None,
-                **_tokens(result),
-            }
-        ],  # fmt: skip
-        "usage": _usage(result),
-    }
-
-
-def completion_response(result: Result, model: str) -> dict[str, Any]:
-    a = result.answer
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "session_id": result.session,
-        "prompt_token_ids": result.prompt_ids,
-        "choices": [
-            {
-                "index": 0,
-                "text": a.text,
+                **said,
                 "finish_reason": a.finish_reason,
                 "logprobs": None,
                 **_tokens(result),
@@ -233,10 +215,8 @@ def make_app(sessions: Sessions, token: str, model: str, sampling: dict[str, flo
             result = await asyncio.wrap_future(sessions.post(session, kind, parsed))
         except RequestError as exc:
             return error(exc)
-        if kind == "completion":
-            return completion_response(result, model)
-        if not body.get("stream"):
-            return chat_response(result, model)
+        if kind == "completion" or not body.get("stream"):
+            return answer_body(result, model, kind)
 
         async def events():
             for c in chat_chunks(result, model):
