@@ -383,3 +383,17 @@ def test_a_turn_that_fills_the_room_is_answered_and_the_group_waits_for_the_rewa
     served["sessions"].end(sid, 0.25).result(timeout=HANG_S)
     gen, rewards, dropped, *_ = served["loop"].result(key)
     assert rewards == [0.25] and dropped == "" and gen.response_lengths.tolist() == [WIDTH]
+
+
+def test_a_tool_call_that_leaves_no_room_for_its_answer_ends_with_length(served):
+    """The agent must not answer a call it has no room for: the finish reason says
+    "length" (the call is still shown)."""
+    from hpc_asyncppo.rollout.gateway.chat import Conversation
+
+    engine = served["engine"]
+    conversation = Conversation(engine.tokenizer, "s1-e0-p0-r0")
+    conversation.first([{"role": "user", "content": "question 1 ="}], [LOOKUP])
+    call = engine.encode(" ".join(CALL))
+    assert conversation.answer(call, ended_by_room=False).finish_reason == "tool_calls"
+    cut = conversation.answer(call, ended_by_room=True)
+    assert cut.finish_reason == "length" and cut.message["tool_calls"][0]["name"] == "lookup"

@@ -235,6 +235,7 @@ class Conversation:
                  "arguments": c.arguments}
                 for k, c in enumerate(parsed.calls)
             ]  # fmt: skip
-            finish = "tool_calls"
+            # a call that left no room for its answer ends the session's room: "length"
+            finish = "length" if ended_by_room else "tool_calls"
         self.messages.append(message)
         return Answer(message, text, finish)
