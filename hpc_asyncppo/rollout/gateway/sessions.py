@@ -123,10 +123,6 @@ class Sessions:
         self.held: dict[Hashable, Generation] = {}
         self.stopping: str | None = None
         self.reopened: dict[Hashable, int] = {}
-        # cumulative over the attempt
-        self.opened = 0
-        self.failed = 0
-        self.calls = 0
 
     # --- other threads: the server and the agents -----------------------------------------
     def post(self, session_id: str, kind: str, body: dict[str, Any]) -> Future:
@@ -311,7 +307,6 @@ class Sessions:
         s.call = (kind, body, future)
         s.turn_start = len(r.tokens)
         s.calls += 1
-        self.calls += 1
         if r.finished:  # no room for the model's turn
             self._answer(engine, s, r)
 
@@ -343,7 +338,6 @@ class Sessions:
         r = self._response(engine, s)
         r.waiting = False
         s.opened = True
-        self.opened += 1
         return r
 
     def _answer(self, engine: Any, s: Session, r: Response) -> None:
@@ -393,11 +387,8 @@ class Sessions:
 
     def _fail(self, engine: Any, s: Session, why: str) -> None:
         s.failure = why
-        self.failed += 1
         log.warning("session %s failed: %s", s.id, why)
-        if s.call is not None:
-            s.call[2].set_exception(RequestError(500, f"session {s.id} failed: {why}"))
-            s.call = None
+        self._refuse(s, RequestError(500, f"session {s.id} failed: {why}"))
         if s.key not in engine.groups and s.key not in self.held:  # no session of the group
             group = self.groups[s.key]  # called: no prompt; it ends, empty, and is dropped
             engine.submit(s.key, [self.eos_id], len(group))
@@ -451,9 +442,7 @@ class Sessions:
         self.prompts.pop(key, None)
         self.held.pop(key, None)
         for s in group:
-            if s.call is not None:
-                s.call[2].set_exception(RequestError(503, why, kind="run_stopping"))
-                s.call = None
+            self._refuse(s, RequestError(503, why, kind="run_stopping"))
             s.failure = s.failure or why
 
     def stop(self, why: str) -> None:
@@ -466,16 +455,16 @@ class Sessions:
             future.set_exception(RequestError(503, why, kind="run_stopping"))
         for group in self.groups.values():
             for s in group:
-                if s.call is not None:
-                    s.call[2].set_exception(RequestError(503, why, kind="run_stopping"))
-                    s.call = None
+                self._refuse(s, RequestError(503, why, kind="run_stopping"))
 
     def carry_on(self) -> None:
         """The stop was withdrawn (no checkpoint came): calls are taken again."""
         with self.lock:
             self.stopping = None
 
-    @property
-    def counts(self) -> dict[str, float]:
-        return {"agent_sessions": self.opened, "agent_failed": self.failed,
-                "agent_calls": self.calls}  # fmt: skip
+    @staticmethod
+    def _refuse(s: Session, error: RequestError) -> None:
+        """The session's call in flight, if any, gets ``error`` (its agent is told)."""
+        if s.call is not None:
+            s.call[2].set_exception(error)
+            s.call = None
