@@ -9,7 +9,10 @@ lookup agent of ``lookup_agent.py`` on sessions it claims until the run ends.
 Each rollout rank writes its address to RUN_DIR/gateway/rank{i}.json once it listens;
 RUN_DIR/gateway/token is the bearer token (readable by the run's owner only). The loop:
 ``POST /v1/sessions`` (a session id, its base URL and its prompt row), the agent's calls
-through that base URL, ``POST /v1/sessions/{id}/reward``.
+through that base URL, ``POST /v1/sessions/{id}/reward`` with the reward, or with
+``{"error": ...}`` where the agent failed (the run is stopping, a call was refused, a bug):
+a session never ended holds its whole group until ``gateway.agent_timeout_s``. The run has
+ended when every rank's record (RUN_DIR/ranks/rank{i}.json) says ``"state": "done"``.
 """
 
 from __future__ import annotations
@@ -41,48 +44,63 @@ def gateways(run_dir: Path) -> list[str]:
     return urls
 
 
-def agent_loop(args: argparse.Namespace, token: str) -> int:
-    """Claim, run, reward, until no gateway gives a session for ``--wait-s``; the count."""
-    headers = {"Authorization": f"Bearer {token}"}
-    http = httpx.Client(timeout=None)
-    done, turn = 0, 0
-    started = time.monotonic()
-    last = None  # when a gateway last gave a session
-    while True:
-        now = time.monotonic()
-        if (last is None and now - started > args.start_wait_s) or (
-            last is not None and now - last > args.wait_s
-        ):
-            return done  # the run never started, or has ended
-        urls = gateways(args.run_dir)
-        if not urls:
-            time.sleep(0.1)
-            continue
-        turn += 1
-        url = urls[turn % len(urls)]
+def run_ended(run_dir: Path) -> bool:
+    """Every rank of the run says it is done (RUN_DIR/ranks/rank{i}.json, "state")."""
+    states = []
+    for path in run_dir.glob("ranks/rank*.json"):
+        try:
+            states.append(json.loads(path.read_text())["state"])
+        except (OSError, ValueError, KeyError):  # being written
+            return False
+    return bool(states) and all(state == "done" for state in states)
+
+
+def claim(http: httpx.Client, args: argparse.Namespace, headers: dict) -> dict | None:
+    """A session from any rank that has one free (each asked in turn, waiting a second),
+    or None when none has."""
+    for url in gateways(args.run_dir):
         if args.local:
             url = "http://127.0.0.1:" + url.rsplit(":", 1)[1]
         base = url.removesuffix("/v1")
         try:
-            r = http.post(f"{base}/v1/sessions", headers=headers, json={})
+            r = http.post(f"{base}/v1/sessions", headers=headers, json={"wait_s": 1})
         except httpx.TransportError:  # that rank is gone (the run ended, or restarts)
-            time.sleep(0.1)
             continue
-        if r.status_code != 200:  # 429: every session taken; 503: stopping
+        if r.status_code == 200:  # 429: every session on that rank is taken; 503: stopping
+            return {**r.json(), "gateway": base}
+    return None
+
+
+def agent_loop(args: argparse.Namespace, token: str) -> int:
+    """Claim, run, end, until the run has ended (or no rank gave a session for
+    ``--wait-s``); the count of sessions ended with a reward."""
+    headers = {"Authorization": f"Bearer {token}"}
+    # idle connections closed before the server's keep-alive (uvicorn: 5 s) would close them
+    http = httpx.Client(timeout=None, limits=httpx.Limits(keepalive_expiry=2))
+    done = 0
+    last = time.monotonic()  # when a gateway last gave a session (or we started)
+    while not run_ended(args.run_dir):
+        claimed = claim(http, args, headers)
+        if claimed is None:
+            if time.monotonic() - last > args.wait_s:
+                break
             time.sleep(0.1)
             continue
         last = time.monotonic()
-        claimed = r.json()
         row = types.SimpleNamespace(**claimed["row"])
         client = openai.OpenAI(base_url=claimed["base_url"], api_key=token, max_retries=0,
                                http_client=http)  # fmt: skip
         try:
             outcome = lookup(client, row)
-        except openai.APIError:  # the run is stopping, or the session ended
+        except Exception as exc:  # noqa: BLE001 - the session fails, the agent goes on
+            outcome = {"error": f"{type(exc).__name__}: {exc}"}  # its group is dropped
+        try:  # end it: a session never ended holds its group gateway.agent_timeout_s
+            http.post(f"{claimed['gateway']}/v1/sessions/{claimed['session_id']}/reward",
+                      headers=headers, json=outcome)  # fmt: skip
+        except httpx.TransportError:  # that rank is gone: its sessions went with it
             continue
-        http.post(f"{base}/v1/sessions/{claimed['session_id']}/reward", headers=headers,
-                  json=outcome)  # fmt: skip
-        done += 1
+        done += "error" not in outcome
+    return done
 
 
 def main() -> int:
@@ -90,15 +108,15 @@ def main() -> int:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--sessions", type=int, default=8, help="sessions run at once")
     parser.add_argument(
-        "--start-wait-s", type=float, default=600, help="for the first session (start-up)"
-    )
-    parser.add_argument(
-        "--wait-s", type=float, default=60, help="then end after this long without one"
+        "--wait-s",
+        type=float,
+        default=600,
+        help="end after this long without a session (the run has not started, or is gone)",
     )
     parser.add_argument("--local", action="store_true", help="call 127.0.0.1, not the host name")
     args = parser.parse_args()
     token_file = args.run_dir / "gateway" / "token"
-    deadline = time.monotonic() + args.start_wait_s
+    deadline = time.monotonic() + args.wait_s
     while not token_file.exists():  # the run directory is being made
         if time.monotonic() > deadline:
             sys.exit(f"{token_file}: no such file (is {args.run_dir} a data.agent run?)")

@@ -357,14 +357,38 @@ def test_an_external_agent_claims_a_session_calls_and_ends_it_with_its_reward(se
     assert "not a finite reward" in dropped  # {"reward": "x"} ended it, as failed
 
 
+def test_an_external_agent_that_cannot_finish_fails_its_session_and_the_group_is_dropped(served):
+    """``{"error": ...}`` ends a claimed session as failed: its group is dropped with the
+    agent's words once its other sessions end, not after gateway.agent_timeout_s."""
+    prompt = served["task"].prompts()[2]
+    key = ("external-error", 2)
+    a, b = served["loop"].open(key, 2, prompt)
+    claimed = [post(served, "/v1/sessions", {}).json()["session_id"] for _ in range(2)]
+    assert sorted(claimed) == sorted([a, b])
+    c = client(served, a)
+    answer = c.chat.completions.create(model="tiny", messages=[
+        {"role": "user", "content": prompt.text}])  # fmt: skip
+    assert answer.choices[0].finish_reason == "stop"
+    r = post(served, f"/v1/sessions/{b}/reward", {"error": "ConnectError: its tool is down"})
+    assert r.status_code == 200, r.text
+    assert post(served, f"/v1/sessions/{b}/reward", {"reward": 1.0}).status_code == 404
+    assert post(served, f"/v1/sessions/{a}/reward", {"reward": 1.0}).status_code == 200
+    gen, rewards, dropped, *_ = served["loop"].result(key)
+    assert dropped == f"agent failed: session {b}: its agent failed: ConnectError: its tool is down"
+
+
 def test_a_claim_with_every_session_taken_gets_429_with_the_count(served):
     from fastapi.testclient import TestClient
 
     engine = served["engine"]
     sessions = Sessions(engine.tokenizer, engine.eos_id, WIDTH, 16, timeout_s=HANG_S)
-    app = make_app(sessions, "t", "tiny", {}, 4096, claim_wait_s=0.0)
-    r = TestClient(app).post("/v1/sessions", json={}, headers={"Authorization": "Bearer t"})
+    app = make_app(sessions, "t", "tiny", {}, 4096, claim_wait_s=30.0)
+    auth = {"Authorization": "Bearer t"}
+    r = TestClient(app).post("/v1/sessions", json={"wait_s": 0}, headers=auth)
     assert r.status_code == 429 and "0 sessions in flight" in r.json()["error"]["message"]
+    for bad in ({"wait_s": "soon"}, {"wait_s": -1}, [], {"wait_s": float("nan")}):
+        r = TestClient(app).post("/v1/sessions", content=json.dumps(bad), headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "wait_s", (bad, r.text)
 
 
 def test_a_turn_that_fills_the_room_is_answered_and_the_group_waits_for_the_reward(served):
@@ -387,13 +411,16 @@ def test_a_turn_that_fills_the_room_is_answered_and_the_group_waits_for_the_rewa
 
 def test_a_tool_call_that_leaves_no_room_for_its_answer_ends_with_length(served):
     """The agent must not answer a call it has no room for: the finish reason says
-    "length" (the call is still shown)."""
+    "length" (the call is still shown), whether the room ended inside the call or right
+    after its end of turn."""
     from hpc_asyncppo.rollout.gateway.chat import Conversation
 
     engine = served["engine"]
     conversation = Conversation(engine.tokenizer, "s1-e0-p0-r0")
     conversation.first([{"role": "user", "content": "question 1 ="}], [LOOKUP])
     call = engine.encode(" ".join(CALL))
-    assert conversation.answer(call, ended_by_room=False).finish_reason == "tool_calls"
-    cut = conversation.answer(call, ended_by_room=True)
-    assert cut.finish_reason == "length" and cut.message["tool_calls"][0]["name"] == "lookup"
+    assert conversation.answer(call, cut=False, room_left=True).finish_reason == "tool_calls"
+    for cut in (True, False):
+        full = conversation.answer(call + [engine.eos_id] * (not cut), cut,
+                                   room_left=False)  # fmt: skip
+        assert full.finish_reason == "length" and full.message["tool_calls"][0]["name"] == "lookup"

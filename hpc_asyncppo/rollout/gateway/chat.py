@@ -216,18 +216,20 @@ class Conversation:
         )
 
     # --- the model's turn out -----------------------------------------------------------------
-    def answer(self, tokens: list[int], ended_by_room: bool) -> Answer:
+    def answer(self, tokens: list[int], cut: bool, room_left: bool) -> Answer:
         """The model's turn (its sampled ``tokens``) as an answer; the conversation takes
-        it. ``ended_by_room``: the turn stopped at rollout.response_length."""
+        it. ``cut``: the turn stopped at rollout.response_length before its end;
+        ``room_left``: more tokens fit after it. A tool call with no room left for its
+        answer (cut, or ending exactly at the room's end) is shown, with "length"."""
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         self.turns += 1
         if self.text is not None:
             self.text += text
             return Answer({"role": "assistant", "content": text}, text,
-                          "length" if ended_by_room else "stop")  # fmt: skip
+                          "length" if cut else "stop")  # fmt: skip
         parsed = parse_tool_calls(text) if self.tools else None
         message: dict[str, Any] = {"role": "assistant", "content": text.strip()}
-        finish = "length" if ended_by_room else "stop"
+        finish = "length" if cut else "stop"
         if parsed is not None and parsed.calls:
             message["content"] = BLOCK.sub("", text).strip()
             message["tool_calls"] = [
@@ -235,7 +237,6 @@ class Conversation:
                  "arguments": c.arguments}
                 for k, c in enumerate(parsed.calls)
             ]  # fmt: skip
-            # a call that left no room for its answer ends the session's room: "length"
-            finish = "length" if ended_by_room else "tool_calls"
+            finish = "tool_calls" if room_left else "length"
         self.messages.append(message)
         return Answer(message, text, finish)

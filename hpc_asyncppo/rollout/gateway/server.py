@@ -11,8 +11,10 @@ to; elsewhere the session is named by the ``X-Session-ID`` header)::
     POST /v1/completions            a text prompt in, the completion out
     POST /v1/sessions               (``data.agent=external``) take a session: its id, its
                                     base URL and its prompt row; 429 when every session in
-                                    flight on the rank is taken (after ``claim_wait_s``)
-    POST /v1/sessions/{id}/reward   end a session: ``{"reward": number, ...}``
+                                    flight on the rank is taken (after ``claim_wait_s``, or
+                                    the body's ``{"wait_s": seconds}`` if shorter)
+    POST /v1/sessions/{id}/reward   end a session: ``{"reward": number, ...}``, or fail
+                                    it (its group is dropped): ``{"error": "why"}``
 
 Every answer also carries the exact tokens (``prompt_token_ids``, and per choice
 ``token_ids``, ``token_logprobs``, ``token_versions``: the weights version that sampled
@@ -37,6 +39,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -232,8 +235,16 @@ def make_app(sessions: Sessions, token: str, model: str, sampling: dict[str, flo
         return await serve("completion", request, session)
 
     async def claim(request: Request):
-        """External agents: take a session (waiting up to ``claim_wait_s`` for one)."""
-        deadline = time.monotonic() + claim_wait_s
+        """External agents: take a session, waiting up to ``claim_wait_s`` for one (or the
+        body's ``wait_s``, if shorter: an agent polling several ranks asks for 0 or 1)."""
+        try:
+            wait_s = float(json.loads(await request.body() or b"{}").get("wait_s", claim_wait_s))
+        except (ValueError, TypeError, AttributeError, UnicodeDecodeError):
+            wait_s = math.nan
+        if not 0 <= wait_s < math.inf:
+            return error(RequestError(400, 'the body is {} or {"wait_s": seconds}', "wait_s"))
+        wait_s = min(wait_s, claim_wait_s)
+        deadline = time.monotonic() + wait_s
         try:
             while (s := sessions.claim()) is None:
                 if time.monotonic() > deadline:
@@ -250,13 +261,15 @@ def make_app(sessions: Sessions, token: str, model: str, sampling: dict[str, flo
                 "row": dataclasses.asdict(row)}  # fmt: skip
 
     async def reward(session: str, request: Request):
-        """External agents: end a session with its reward (a dict: reward, extra numbers)."""
+        """External agents: end a session with its reward (a dict: reward, extra numbers),
+        or fail it with ``error`` (the agent could not finish: its group is dropped)."""
         try:
             body = json.loads(await request.body())
         except (ValueError, UnicodeDecodeError) as exc:
             return error(RequestError(400, f"the body is not JSON: {exc}"))
-        if not isinstance(body, dict) or "reward" not in body:
-            return error(RequestError(400, 'the body is {"reward": number, ...}', "reward"))
+        if not isinstance(body, dict) or not ("reward" in body or "error" in body):
+            return error(RequestError(400, 'the body is {"reward": number, ...} or '
+                                      '{"error": "why the agent failed"}', "reward"))  # fmt: skip
         try:
             await asyncio.wrap_future(sessions.end(session, body))
         except RequestError as exc:

@@ -354,8 +354,8 @@ class Sessions:
         s.call = None
         s.answered = time.monotonic()
         turn = tokens[s.turn_start :]
-        ended_by_room = finished and not (turn and turn[-1] == self.eos_id)
-        answer = s.conversation.answer(turn, ended_by_room)
+        cut = finished and not (turn and turn[-1] == self.eos_id)
+        answer = s.conversation.answer(turn, cut, room_left=not finished)
         prompt = self.prompts[s.key] + tokens[: s.turn_start]
         future.set_result(Result(s.id, answer, prompt, turn, log_probs[s.turn_start :],
                                  versions[s.turn_start :]))  # fmt: skip
@@ -363,6 +363,9 @@ class Sessions:
     def _end(self, engine: Any, s: Session, outcome: Any) -> None:
         if isinstance(outcome, BaseException):
             self._fail(engine, s, f"its agent raised {type(outcome).__name__}: {outcome}")
+            return
+        if isinstance(outcome, dict) and outcome.get("error") is not None:
+            self._fail(engine, s, f"its agent failed: {outcome['error']}")
             return
         if s.call is not None:
             raise RequestError(409, f"session {s.id} has a call running: end it after the answer")
