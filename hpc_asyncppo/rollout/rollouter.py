@@ -601,8 +601,9 @@ class Rollouter:
         tokens: later than the start only when partial rollout cut it at a sync."""
         prompt = self.prompts[index]
         n = self.cfg.rollout.n
+        extra: dict[str, float] = {}
         if self.sessions is not None:  # the agents' rewards, and the prompt their calls made
-            rewards, dropped, prompt_ids, _ = self.sessions.finish((epoch, index))
+            rewards, dropped, prompt_ids, extra = self.sessions.finish((epoch, index))
         else:
             prompt_ids, dropped = self.prompt_ids(index), ""
             rewards = [
@@ -637,6 +638,7 @@ class Rollouter:
             engine_restarts=self.weights.restarts,
             engine_restart_s=self.weights.restart_s,
             dropped=dropped,
+            agent_extra=extra,
             **tools,
         )
 

@@ -127,11 +127,13 @@ class StepLog:
         return out
 
     def tool_metrics(self, batch: Batch) -> dict:
-        """Multi-turn: the step's trajectories (model turns, observation tokens, the share
-        that called a tool at all) and the rollout ranks' tool calls so far in this attempt
-        (calls, failures, timeouts, seconds, and the share of trajectory time spent
-        waiting for tools)."""
-        if not self.cfg.rollout.multi_turn.enable:
+        """Multi-turn and agents: the step's trajectories (model turns, observation tokens,
+        the share that called a tool at all); multi-turn: the rollout ranks' tool calls so
+        far in this attempt (calls, failures, timeouts, seconds, and the share of
+        trajectory time spent waiting for tools); agents: the means of the numbers they
+        returned beside their rewards (``agent/NAME``, over the groups that have it)."""
+        agent = bool(self.cfg.data.agent)
+        if not (self.cfg.rollout.multi_turn.enable or agent):
             return {}
         turns, observed = [], []
         for g in batch.groups:
@@ -142,12 +144,20 @@ class StepLog:
                     len(observation_spans(mask)) + 1
                 )  # observations, and a model turn after each
                 observed.append(length - int(mask.sum()))
-        total = {k: sum(t[k] for t in self.tools.values()) for k in ("tool_calls", "tool_errors",
-                 "tool_timeouts", "tool_s", "tool_wait_s", "trajectory_s")}  # fmt: skip
-        return {
+        out = {
             "multi_turn/turns_mean": float(np.mean(turns)),
             "multi_turn/tool_call_rate": float(np.mean(np.asarray(turns) > 1)),
             "multi_turn/observation_tokens_mean": float(np.mean(observed)),
+        }
+        if agent:
+            for name in sorted({k for g in batch.groups for k in g.agent_extra}):
+                values = [g.agent_extra[name] for g in batch.groups if name in g.agent_extra]
+                out[f"agent/{name}"] = float(np.mean(values))
+            return out
+        total = {k: sum(t[k] for t in self.tools.values()) for k in ("tool_calls", "tool_errors",
+                 "tool_timeouts", "tool_s", "tool_wait_s", "trajectory_s")}  # fmt: skip
+        return {
+            **out,
             "tools/calls": total["tool_calls"],
             "tools/errors": total["tool_errors"],
             "tools/timeouts": total["tool_timeouts"],

@@ -85,6 +85,9 @@ class SampleGroup:
     # the sender's reason to drop the group untrained ("": train it): an agent's session
     # failed (rollout/gateway/sessions.py); the leader records its samples as dropped with it
     dropped: str = ""
+    # data.agent: the numbers its agents returned beside the reward, each name's mean over
+    # the group's sessions (rollout/gateway/sessions.py), logged as agent/NAME
+    agent_extra: dict[str, float] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
 
     @property
@@ -116,6 +119,7 @@ _SCALARS = (
     "tool_wait_s",
     "trajectory_s",
     "dropped",
+    "agent_extra",
 )
 _SINCE = {
     "rollout_sync_pause_s": 0.0,
@@ -128,9 +132,11 @@ _SINCE = {
     "tool_wait_s": 0.0,
     "trajectory_s": 0.0,
     "dropped": "",
+    "agent_extra": {},
 }  # scalars newer than some checkpoints: their default
-# absent from a group's bytes while 0 or "" (multi-turn counts, a drop): other groups keep theirs
-_QUIET = ("tool_", "trajectory_", "dropped")
+# absent from a group's bytes while 0, "" or empty (multi-turn counts, a drop, an agent's
+# numbers): other groups keep theirs
+_QUIET = ("tool_", "trajectory_", "dropped", "agent_")
 _ARRAYS = {
     "prompt_ids": np.int32,
     "response_ids": np.int32,
@@ -155,6 +161,7 @@ def encode_group(group: SampleGroup) -> np.ndarray:
 def decode_group(buf: np.ndarray) -> SampleGroup:
     arrays, meta = unpack_arrays(buf)
     scalars = {k: meta[k] if k in meta else _SINCE[k] for k in _SCALARS}
+    scalars["agent_extra"] = {str(k): float(v) for k, v in scalars["agent_extra"].items()}
     return SampleGroup(
         **scalars, **{k: arrays[k] for k in _ARRAYS}, loss_mask=arrays.get("loss_mask")
     )

@@ -59,6 +59,10 @@ def test_agent_sessions_stopped_in_flight_resume_on_other_rank_counts_trained_on
                "ended it without a call"][(index // 7) % 3]  # fmt: skip
         assert why in reason, reason
     assert all(int(r["uid"].split("-p")[1].split("-")[0]) % 7 != 3 for r in trained)
+    # the agents' own numbers (the lookup agent's tool_calls) are logged, per step
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert all(0 <= m["agent/tool_calls"] <= 4 for m in metrics), metrics
     # the sessions cut by each stop ran again from their prompts
     attempts = read_jsonl(run_dir / "goodput.jsonl")
     assert [a["reason"] for a in attempts][-1] == "finished" and len(attempts) == 3

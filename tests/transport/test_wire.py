@@ -110,13 +110,16 @@ def test_malformed_buffers_are_rejected(mutate, message):
         decode_group(mutate(buf))
 
 
-def test_a_senders_reason_to_drop_travels_and_other_groups_bytes_do_not_change():
+def test_a_senders_reason_to_drop_and_agents_numbers_travel_and_other_groups_bytes_do_not_change():
     import dataclasses
 
     plain = make_group()
     dropped = dataclasses.replace(plain, dropped="agent failed: session s7-e2-p1234-r0: raised")
     assert decode_group(encode_group(plain)).dropped == ""
     assert decode_group(encode_group(dropped)).dropped == dropped.dropped
+    extra = dataclasses.replace(plain, agent_extra={"tool_calls": 1.25, "turns": 3.0})
+    assert decode_group(encode_group(extra)).agent_extra == {"tool_calls": 1.25, "turns": 3.0}
+    assert decode_group(encode_group(plain)).agent_extra == {}
     unpacked = unpack_arrays(encode_group(plain))[1]
-    assert "dropped" not in unpacked and "tool_calls" not in unpacked
+    assert not {"dropped", "tool_calls", "agent_extra"} & set(unpacked)
     assert "engine_restarts" in unpacked  # sent even when 0, as before

@@ -28,6 +28,10 @@ from typing import Any
 from hpc_asyncppo.rollout.gateway.sessions import Session, Sessions
 from hpc_asyncppo.tasks import Prompt
 
+# the agents' clients drop a connection idle this long: before the gateway's server
+# (uvicorn, 5 s) closes it, which a request sent at that moment would meet as an error
+KEEPALIVE_S = 2.0
+
 
 @dataclass(frozen=True)
 class AgentRow:
@@ -87,8 +91,9 @@ class AgentRunner:
         import httpx
         import openai
 
-        if getattr(self.local, "http", None) is None:
-            self.local.http = httpx.Client(timeout=None)
+        if getattr(self.local, "http", None) is None:  # idle connections closed before
+            limits = httpx.Limits(keepalive_expiry=KEEPALIVE_S)  # the server closes them
+            self.local.http = httpx.Client(timeout=None, limits=limits)
         client = openai.OpenAI(
             base_url=self._url(session), api_key=self.token, max_retries=0,
             http_client=self.local.http,
@@ -105,7 +110,8 @@ class AgentRunner:
         import openai
 
         if self.async_http is None:
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None,
+                                  keepalive_expiry=KEEPALIVE_S)  # fmt: skip
             self.async_http = httpx.AsyncClient(timeout=None, limits=limits)
         client = openai.AsyncOpenAI(
             base_url=self._url(session), api_key=self.token, max_retries=0,
