@@ -280,6 +280,15 @@ class Rollouter:
         if self.sent_log is not None:
             self.sent_log.close()
         log.info("rollout rank %d sent %d groups", self.rank, self.sender.groups_sent)
+        if self.sessions is not None:
+            log.info(
+                "rollout rank %d: %d agent calls answered from cut sessions' recordings "
+                "(%d tokens kept), %d recorded tokens not called for again",
+                self.rank,
+                self.sessions.replayed_calls,
+                self.sessions.replayed_tokens,
+                self.sessions.discarded_tokens,
+            )
 
     def handle_control(self) -> bool:
         """Apply every control message that arrived; True on STOP. A message leaves the
@@ -416,12 +425,18 @@ class Rollouter:
             same = bool(np.all(sampled == self.version))
             if self.sessions is not None and not (self.sessions.live((epoch, index)) and same):
                 # an agent's session runs again from its prompt (its agent too): from a
-                # checkpoint, or cut by new weights its conversation cannot continue under
+                # checkpoint, or cut by new weights its conversation cannot continue under.
+                # From a checkpoint, where its tokens may continue (partial rollout, or the
+                # same weights), the agent's calls are answered from them while they match
+                recorded = not self.sessions.live((epoch, index)) and (
+                    self.cfg.async_training.partial_rollout or same
+                )
                 self.sessions.forget((epoch, index), "the session's engine restarted under "
                                      "new weights: it runs again from its prompt")  # fmt: skip
                 self.sessions.open_group((epoch, index), self.uid_prefix(epoch, index),
-                                         self.prompts[index], self.cfg.rollout.n)  # fmt: skip
-                self.tokens_regenerated += partial.tokens
+                                         self.prompts[index], self.cfg.rollout.n,
+                                         partial if recorded else None)  # fmt: skip
+                self.tokens_regenerated += 0 if recorded else partial.tokens
                 version_start = self.version
             elif self.sessions is not None:  # a restarted engine's: the sessions go on
                 self.engine.resume((epoch, index), partial)
@@ -623,7 +638,11 @@ class Rollouter:
             epoch=epoch,
             prompt_index=prompt.index,
             rollout_rank=self.rank,
-            param_version_start=version_start,
+            # the oldest weights that sampled any of its tokens (an agent's session replayed
+            # after a resume keeps the tokens sampled before the stop)
+            param_version_start=min(
+                version_start, int(gen.versions.min(initial=version_start, where=gen.versions >= 0))
+            ),
             param_version_end=max(version_start, int(gen.versions.max())),
             prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
             response_ids=gen.response_ids,
@@ -633,7 +652,8 @@ class Rollouter:
             rewards=np.asarray(rewards, dtype=np.float32),
             rollout_idle_s=self.idle_s,
             rollout_elapsed_s=time.monotonic() - self.started_at,
-            tokens_regenerated=self.tokens_regenerated,
+            tokens_regenerated=self.tokens_regenerated
+            + (self.sessions.discarded_tokens if self.sessions is not None else 0),
             rollout_sync_pause_s=self.weights.pause_s,
             engine_restarts=self.weights.restarts,
             engine_restart_s=self.weights.restart_s,

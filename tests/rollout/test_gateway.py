@@ -83,8 +83,8 @@ class Loop(threading.Thread):
         self.done: dict = {}
         self.halt = False
 
-    def open(self, key, n: int, prompt: Prompt) -> list[str]:
-        self.opening.put((key, n, prompt))
+    def open(self, key, n: int, prompt: Prompt, recorded=None) -> list[str]:
+        self.opening.put((key, n, prompt, recorded))
         deadline = time.monotonic() + HANG_S
         while not self.sessions.live(key) and key not in self.done:
             assert time.monotonic() < deadline
@@ -94,10 +94,25 @@ class Loop(threading.Thread):
     def run(self) -> None:
         while not self.halt:
             while not self.opening.empty():
-                key, n, prompt = self.opening.get()
-                self.sessions.open_group(key, f"s1-e0-p{prompt.index}", prompt, n)
+                key, n, prompt, recorded = self.opening.get()
+                if callable(key):  # ``cut``: done here, between two steps
+                    key(n)
+                    continue
+                self.sessions.open_group(key, f"s1-e0-p{prompt.index}", prompt, n, recorded)
             for key, gen in self.sessions.step(self.engine, self.engine.step):
                 self.done[key] = (gen, *self.sessions.finish(key))
+
+    def cut(self, key):
+        """The group as a checkpoint cuts it (its tokens so far), and gone from this rank
+        as after a stop."""
+        done: queue.Queue = queue.Queue()
+
+        def cut_here(_):
+            done.put(self.engine.groups.pop(key).partial(WIDTH, self.engine.pad_id))
+            self.sessions.forget(key, "the run stopped")
+
+        self.opening.put((cut_here, None, None, None))
+        return done.get(timeout=HANG_S)
 
     def result(self, key):
         deadline = time.monotonic() + HANG_S
@@ -375,6 +390,57 @@ def test_an_external_agent_that_cannot_finish_fails_its_session_and_the_group_is
     assert post(served, f"/v1/sessions/{a}/reward", {"reward": 1.0}).status_code == 200
     gen, rewards, dropped, *_ = served["loop"].result(key)
     assert dropped == f"agent failed: session {b}: its agent failed: ConnectError: its tool is down"
+
+
+def test_a_resumed_session_is_answered_from_its_recording_until_its_calls_go_past_it(served):
+    """After a resume, a cut session's agent that calls as it did before the stop is
+    answered from the checkpoint's recording: the same tokens, log-probs and versions (v3,
+    while the engine is at v4: nothing generated again); its next call, past the
+    recording, and its group's other session (which had not called) are generated. A
+    group whose first call renders another prompt than the recording's generates anew,
+    and the recording's tokens are counted as thrown away."""
+    engine, sessions, loop = served["engine"], served["sessions"], served["loop"]
+    prompt = served["task"].prompts()[3]
+    first = engine.tokenizer.decode(engine.encode(prompt.text), skip_special_tokens=True)
+    messages = [{"role": "user", "content": first}]
+    sid, other = loop.open(("before", 3), 2, prompt)
+    c = client(served, sid)
+    before = c.chat.completions.create(model="tiny", messages=messages, tools=[LOOKUP])
+    recorded = loop.cut(("before", 3))  # the stop: sid waits for its agent's next call
+    assert recorded.sofar.response_lengths.tolist() == [2, 0]
+    replayed, discarded = sessions.replayed_calls, sessions.discarded_tokens
+    try:
+        engine.version = 4
+        assert loop.open(("resumed", 3), 2, prompt, recorded) == [sid, other]  # same ids
+        again = c.chat.completions.create(model="tiny", messages=messages, tools=[LOOKUP])
+        assert again.choices[0].model_extra == before.choices[0].model_extra  # ids, log-probs
+        assert again.choices[0].model_extra["token_versions"] == [3, 3]  # and v3: replayed
+        assert again.choices[0].message == before.choices[0].message
+        assert sessions.replayed_calls == replayed + 1
+        call = again.choices[0].message
+        messages += [call.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": "1"}]  # fmt: skip
+        past = c.chat.completions.create(model="tiny", messages=messages, tools=[LOOKUP])
+        assert past.choices[0].model_extra["token_versions"] == [4]  # generated: EOS
+        fresh = client(served, other).chat.completions.create(
+            model="tiny", messages=messages[:1], tools=[LOOKUP])  # fmt: skip
+        assert fresh.choices[0].model_extra["token_versions"] == [4, 4]
+        for s in (sid, other):
+            sessions.end(s, 1.0).result(timeout=HANG_S)
+        gen, rewards, dropped, *_ = loop.result(("resumed", 3))
+        assert dropped == "" and gen.versions[0, : gen.response_lengths[0]].tolist()[:2] == [3, 3]
+        # the same recording, and a first call that renders another prompt
+        [sid, other] = loop.open(("differs", 3), 2, prompt, recorded)
+        answer = client(served, sid).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "question ="}], tools=[LOOKUP])  # fmt: skip
+        assert answer.choices[0].model_extra["token_versions"] == [4, 4]
+        assert sessions.replayed_calls == replayed + 1
+        assert sessions.discarded_tokens == discarded + 2
+        sessions.end(sid, 1.0).result(timeout=HANG_S)
+        sessions.end(other, {"error": "not run"}).result(timeout=HANG_S)
+        loop.result(("differs", 3))
+    finally:
+        engine.version = 3
 
 
 def test_a_claim_with_every_session_taken_gets_429_with_the_count(served):

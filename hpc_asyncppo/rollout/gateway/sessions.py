@@ -20,13 +20,20 @@ as it stands; its group is sent with a reason to drop it (``SampleGroup.dropped`
 leader records its samples as dropped and trains none of them, and the rank goes on.
 
 A stop signal fails the calls in flight with 503 and refuses new ones: the groups in
-flight are cut into the checkpoint as any are, and after the resume their prompts run
-again from the start, agents included (``tokens_regenerated`` counts what was thrown
-away), so every session is trained once or not at all. A checkpoint without a stop
-keeps the sessions going.
+flight are cut into the checkpoint as any are (each session's tokens so far: its calls'
+prompts, observations and the model's turns), and after the resume their prompts run
+again from the start, agents included, so every session is trained once or not at all.
+Where the cut tokens may continue (partial rollout, or the same weights version) they
+are the session's *recording*: a re-run agent's call that renders what the recording
+holds at that point (the same prompt, then the same observation tokens) is answered
+with the recorded turn (its tokens, log-probs and versions), not generated again, until
+the first call that differs; from there the engine generates, and the recording's rest
+is thrown away (``tokens_regenerated`` counts it). A deterministic agent thus resumes
+where it stopped. A checkpoint without a stop keeps the sessions going.
 
 Memory: per session in flight, its conversation (the messages, ``chat.py``) and a few
-numbers; the tokens are the engine's.
+numbers; the tokens are the engine's, and a resumed session's recording until it is
+replayed or thrown away (at most ``rollout.response_length`` tokens).
 """
 
 from __future__ import annotations
@@ -83,6 +90,10 @@ class Session:
     extra: dict[str, Any] = field(default_factory=dict)
     failure: str | None = None
     dragged: bool = False  # failed with another session of its group
+    # resumed from a checkpoint: its response as it was cut; the agent's calls that render
+    # the same tokens are answered from it, until the first that differs
+    recorded: Response | None = None
+    replayed_to: int = 0  # its response's tokens so far that the recording gave
 
     @property
     def ended(self) -> bool:
@@ -123,6 +134,10 @@ class Sessions:
         self.held: dict[Hashable, Generation] = {}
         self.stopping: str | None = None
         self.reopened: dict[Hashable, int] = {}
+        self.recorded_prompts: dict[Hashable, list[int]] = {}  # resumed groups' prompts
+        self.replayed_calls = 0  # answered from a cut session's recording
+        self.replayed_tokens = 0  # the model's tokens those answers kept
+        self.discarded_tokens = 0  # recorded tokens after the first call that differed
 
     # --- other threads: the server and the agents -----------------------------------------
     def post(self, session_id: str, kind: str, body: dict[str, Any]) -> Future:
@@ -154,8 +169,13 @@ class Sessions:
         return future
 
     # --- the rank's loop ------------------------------------------------------------------
-    def open_group(self, key: Hashable, uid_prefix: str, prompt: Prompt, n: int) -> None:
-        """A granted prompt row: n sessions, each with its agent started (if any)."""
+    def open_group(
+        self, key: Hashable, uid_prefix: str, prompt: Prompt, n: int,
+        recorded: PartialGroup | None = None,
+    ) -> None:  # fmt: skip
+        """A granted prompt row: n sessions, each with its agent started (if any).
+        ``recorded``: the group as a checkpoint cut it (its sessions' calls so far): an
+        agent that calls as it did before is answered from it (``_replay``)."""
         # a group opened again on this rank (its engine restarted under new weights) gets
         # new session ids: the old agents' late calls find no session
         again = self.reopened[key] = self.reopened.get(key, -1) + 1
@@ -164,6 +184,10 @@ class Sessions:
                     Conversation(self.tokenizer, f"{uid_prefix}-r{j}"))
             for j in range(n)
         ]  # fmt: skip
+        if recorded is not None and recorded.sofar.response_lengths.any():
+            self.recorded_prompts[key] = list(recorded.prompt)
+            for s, r in zip(group, ResponseGroup.of(recorded).responses, strict=True):
+                s.recorded = r if r.tokens else None
         with self.lock:
             self.groups[key] = group
             self.by_id.update((s.id, s) for s in group)
@@ -289,6 +313,7 @@ class Sessions:
             raise RequestError(409, f"session {s.id} has a call running: one at a time")
         if not s.opened:
             r = self._open(engine, s, kind, body)
+            observed = None
         else:
             r = self._response(engine, s)
             if r is None or r.finished:
@@ -300,7 +325,8 @@ class Sessions:
             else:
                 ids = s.conversation.extend_text(body["prompt"])
             room = self.width - len(r.tokens)
-            r.observe(ids[:room])
+            observed = ids[:room]
+            r.observe(observed)
             r.waiting = False
             if len(ids) >= room:
                 r.finished = True
@@ -309,6 +335,50 @@ class Sessions:
         s.calls += 1
         if r.finished:  # no room for the model's turn
             self._answer(engine, s, r)
+        elif s.recorded is not None and self._replay(s, r, observed):
+            self._answer(engine, s, r)
+
+    def _replay(self, s: Session, r: Response, observed: list[int] | None) -> bool:
+        """A resumed session's call: if it brought what its recording holds at this point
+        (the first call: the group's recorded prompt; a later one: the same observation
+        tokens), the model's turn that followed is taken from the recording, not
+        generated: True when that turn ended (answer it now); a turn the stop cut is
+        taken as far as it went and the engine goes on from there. At the first call that
+        differs the recording's rest is thrown away (``discarded_tokens``)."""
+        rec, start = s.recorded, s.turn_start - len(observed or [])
+        prompt = self.prompts[s.key] == self.recorded_prompts.get(s.key)
+        same = (
+            prompt
+            and rec.tokens[: len(r.tokens)] == r.tokens
+            and (observed is None or (start, len(r.tokens)) in rec.observations)
+        )
+        if not same:
+            self._discard(s)
+            return False
+        end = next((a for a, _ in rec.observations if a >= len(r.tokens)), len(rec.tokens))
+        here = len(r.tokens)
+        r.tokens += rec.tokens[here:end]
+        r.log_probs += rec.log_probs[here:end]
+        r.versions += rec.versions[here:end]
+        ended = end < len(rec.tokens) or (end > here and rec.tokens[end - 1] in self.turn_ends)
+        if len(r.tokens) >= self.width:
+            r.finished = True
+        elif ended:
+            r.waiting = True
+        s.replayed_to = len(r.tokens)
+        if end == len(rec.tokens):
+            s.recorded = None  # nothing recorded after this turn
+        if not (ended or r.finished):
+            return False  # cut mid-turn: the engine continues it
+        self.replayed_calls += 1
+        self.replayed_tokens += end - here
+        return True
+
+    def _discard(self, s: Session) -> None:
+        """What is left of a session's recording is not used: counted, let go."""
+        if s.recorded is not None:
+            self.discarded_tokens += len(s.recorded.tokens) - s.replayed_to
+            s.recorded = None
 
     def _open(self, engine: Any, s: Session, kind: str, body: dict) -> Response:
         """A session's first call: the group's prompt, or the same tokens as it."""
@@ -414,6 +484,9 @@ class Sessions:
             group = self.groups.pop(key)
             for s in group:
                 self.by_id.pop(s.id, None)
+        for s in group:
+            self._discard(s)
+        self.recorded_prompts.pop(key, None)
         prompt = self.prompts.pop(key)
         failed = sorted((s for s in group if s.failure is not None), key=lambda s: s.dragged)
         rewards = [s.reward if s.reward is not None else 0.0 for s in group]
@@ -429,12 +502,18 @@ class Sessions:
         self, width: int, pad_id: int, engine: Any
     ) -> list[tuple[Hashable, PartialGroup]]:
         """Groups in flight whose sessions have not called yet (no prompt, no tokens): cut
-        into a checkpoint as empty groups, their prompts run again after a resume."""
-        return [
-            (key, ResponseGroup([self.eos_id], [Response() for _ in group]).partial(width, pad_id))
-            for key, group in self.groups.items()
-            if key not in engine.groups  # held groups too: their sessions run again
-        ]
+        into a checkpoint as empty groups, their prompts run again after a resume; or,
+        resumed from a recording not yet called for, cut as that recording again."""
+        cut = []
+        for key, group in self.groups.items():
+            if key in engine.groups:
+                continue
+            if key in self.recorded_prompts and key not in self.held:
+                responses = [s.recorded or Response() for s in group]
+                cut.append((key, ResponseGroup(self.recorded_prompts[key], responses)))
+            else:  # held groups too: their sessions run again
+                cut.append((key, ResponseGroup([self.eos_id], [Response() for _ in group])))
+        return [(key, g.partial(width, pad_id)) for key, g in cut]
 
     def forget(self, key: Hashable, why: str) -> None:
         """A group given up on this rank (it runs again from its prompt): its calls fail."""
@@ -444,9 +523,11 @@ class Sessions:
                 self.by_id.pop(s.id, None)
         self.prompts.pop(key, None)
         self.held.pop(key, None)
+        self.recorded_prompts.pop(key, None)
         for s in group:
             self._refuse(s, RequestError(503, why, kind="run_stopping"))
             s.failure = s.failure or why
+            self._discard(s)
 
     def stop(self, why: str) -> None:
         """A stop signal: the calls in flight fail with 503, and every new one."""
