@@ -62,6 +62,9 @@ class Response:
     # (``turns.py``) whether an observation follows or the response is finished. The
     # engines generate nothing for it meanwhile.
     waiting: bool = False
+    # the gateway: the model's current turn stops at this many tokens (a call's max_tokens;
+    # None: at the room's end); the engines generate up to it, the response then waits
+    limit: int | None = None
 
     def observe(self, tokens: list[int]) -> None:
         """Append a tool's or an environment's answer (log-prob 0, version -1)."""

@@ -168,9 +168,11 @@ class HFEngine:
             by_temperature.setdefault(self.groups[key].temperature, []).append((key, r))
         for temperature, batch in by_temperature.items():
             contexts = [self.groups[key].prompt + r.tokens for key, r in batch]
-            budgets = [width - len(r.tokens) for _, r in batch]
+            ends = [min(width, r.limit or width) for _, r in batch]
+            budgets = [end - len(r.tokens) for end, (_, r) in zip(ends, batch, strict=True)]
             new_ids, new_lps = self.sample(contexts, max(budgets), temperature)
-            for (_, r), ids, lps, budget in zip(batch, new_ids, new_lps, budgets, strict=True):
+            for (_, r), ids, lps, budget, end in zip(batch, new_ids, new_lps, budgets, ends,
+                                                     strict=True):  # fmt: skip
                 take = ids[:budget]
                 stop = next((i for i, t in enumerate(take) if t in self.stops), None)
                 if stop is not None:
@@ -178,7 +180,7 @@ class HFEngine:
                 r.tokens += take
                 r.log_probs += lps[: len(take)]
                 r.versions += [self.version] * len(take)
-                if stop is not None or len(r.tokens) >= width:
+                if stop is not None or len(r.tokens) >= end:
                     r.end_turn(width, bool(self.turn_ends))
         done = [key for key, group in self.groups.items() if group.complete]
         width, pad = self.cfg.response_length, self.pad_id

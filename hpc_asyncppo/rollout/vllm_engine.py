@@ -309,7 +309,8 @@ class VLLMEngine:
         group = self.groups[key]
         response = group.responses[j]
         params = self.sampling.clone()
-        params.max_tokens = self.cfg.response_length - len(response.tokens)
+        width = self.cfg.response_length
+        params.max_tokens = min(width, response.limit or width) - len(response.tokens)
         if group.temperature is not None:
             params.temperature = group.temperature
         request_id = f"r{next(self._ids)}"

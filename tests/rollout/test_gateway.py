@@ -475,6 +475,29 @@ def test_a_turn_that_fills_the_room_is_answered_and_the_group_waits_for_the_rewa
     assert rewards == [0.25] and dropped == "" and gen.response_lengths.tolist() == [WIDTH]
 
 
+def test_max_tokens_stops_the_calls_turn_and_the_session_goes_on(served):
+    """A call's ``max_tokens`` ends its turn there ("length", the response waits for the
+    next call, which continues the sequence); a bad one is refused and changes nothing."""
+    prompt = served["task"].prompts()[7]
+    key = ("limit", 7)
+    [sid] = served["loop"].open(key, 1, prompt)
+    c = client(served, sid)
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be a positive integer"):
+        c.completions.create(model="tiny", prompt="question", max_tokens=0)
+    first = c.completions.create(model="tiny", prompt="question", max_tokens=3)
+    choice = first.choices[0]
+    assert choice.finish_reason == "length" and choice.text.split() == ["question"] * 3
+    more = c.completions.create(model="tiny", prompt="question" + choice.text + " 1",
+                                max_tokens=WIDTH)  # fmt: skip
+    eos = served["engine"].eos_id
+    assert more.choices[0].finish_reason == "stop"
+    assert more.choices[0].model_extra["token_ids"] == [eos]
+    served["sessions"].end(sid, 0.5).result(timeout=HANG_S)
+    gen, rewards, dropped, *_ = served["loop"].result(key)
+    length = int(gen.response_lengths[0])
+    assert dropped == "" and gen.loss_mask[0, :length].tolist() == [1, 1, 1, 0, 1]
+
+
 def test_a_tool_call_that_leaves_no_room_for_its_answer_ends_with_length(served):
     """The agent must not answer a call it has no room for: the finish reason says
     "length" (the call is still shown), whether the room ended inside the call or right

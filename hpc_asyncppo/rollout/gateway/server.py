@@ -20,9 +20,10 @@ Every answer also carries the exact tokens (``prompt_token_ids``, and per choice
 ``token_ids``, ``token_logprobs``, ``token_versions``: the weights version that sampled
 each), as vLLM's ``return_token_ids`` does. Sampling is the run's own (the
 ``rollout.*`` knobs, which the trainer's log-probs assume): a request's ``temperature``
-or ``top_p`` must be absent or equal to the run's, ``n`` 1; ``max_tokens`` is not a
-per-call limit (the session's room is ``rollout.response_length``: a turn that runs out
-of it ends with ``finish_reason: "length"``).
+or ``top_p`` must be absent or equal to the run's, ``n`` 1; ``max_tokens`` (or
+``max_completion_tokens``) limits the call's turn, and the session's room
+(``rollout.response_length``, the model's and observation tokens together) limits every
+turn: a turn stopped by either ends with ``finish_reason: "length"``.
 
 Every request needs ``Authorization: Bearer TOKEN`` (RUN_DIR/gateway/token, readable by
 its owner only); without it: 401 and nothing else. Bad input gets OpenAI's error body:
@@ -81,13 +82,18 @@ def check_body(kind: str, body: Any, sampling: dict[str, float]) -> dict[str, An
         if asked is not None and abs(float(asked) - value) > 1e-6:
             raise RequestError(400, f"{name}={asked}: this run samples at rollout.{name}="
                                f"{value:g} (the trainer's log-probs assume it)", name)  # fmt: skip
+    limits = []
     for name in ("max_tokens", "max_completion_tokens"):
-        if body.get(name) is not None and (not isinstance(body[name], int) or body[name] < 1):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):  # fmt: skip
             raise RequestError(400, f"{name} must be a positive integer", name)
+        limits += [value] if value is not None else []
+    max_tokens = min(limits, default=None)  # the turn's limit; the room's end bounds it too
     if kind == "completion":
         if not isinstance(body.get("prompt"), str):
             raise RequestError(400, "prompt must be a string", "prompt")
-        return {"prompt": body["prompt"]}
+        return {"prompt": body["prompt"], "max_tokens": max_tokens}
     tools = body.get("tools") or None
     if tools is not None and not (isinstance(tools, list) and all(
             isinstance(t, dict) and t.get("type") == "function" for t in tools)):  # fmt: skip
@@ -97,7 +103,7 @@ def check_body(kind: str, body: Any, sampling: dict[str, float]) -> dict[str, An
         raise RequestError(400, "tool_choice: auto (the model decides) or none", "tool_choice")
     if body.get("tool_choice") == "none":
         tools = None
-    return {"messages": normalize(body.get("messages")), "tools": tools}
+    return {"messages": normalize(body.get("messages")), "tools": tools, "max_tokens": max_tokens}
 
 
 def answer_body(result: Result, model: str, kind: str) -> dict[str, Any]:

@@ -333,6 +333,7 @@ class Sessions:
         s.call = (kind, body, future)
         s.turn_start = len(r.tokens)
         s.calls += 1
+        r.limit = None if body.get("max_tokens") is None else s.turn_start + body["max_tokens"]
         if r.finished:  # no room for the model's turn
             self._answer(engine, s, r)
         elif s.recorded is not None and self._replay(s, r, observed):
@@ -357,10 +358,14 @@ class Sessions:
             return False
         end = next((a for a, _ in rec.observations if a >= len(r.tokens)), len(rec.tokens))
         here = len(r.tokens)
+        if r.limit is not None and end > r.limit:  # the call asks for fewer tokens
+            self._discard(s)
+            return False
         r.tokens += rec.tokens[here:end]
         r.log_probs += rec.log_probs[here:end]
         r.versions += rec.versions[here:end]
-        ended = end < len(rec.tokens) or (end > here and rec.tokens[end - 1] in self.turn_ends)
+        ended = (end < len(rec.tokens) or (end > here and rec.tokens[end - 1] in self.turn_ends)
+                 or (r.limit is not None and end >= r.limit))  # fmt: skip
         if len(r.tokens) >= self.width:
             r.finished = True
         elif ended:
@@ -411,20 +416,25 @@ class Sessions:
         return r
 
     def _answer(self, engine: Any, s: Session, r: Response) -> None:
-        self._answer_with(s, r.tokens, r.log_probs, r.versions, r.finished)
+        turn = r.tokens[s.turn_start :]
+        limited = r.limit is not None and len(r.tokens) >= r.limit
+        r.limit = None
+        self._answer_with(s, r.tokens, r.log_probs, r.versions, r.finished,
+                          limited and not (turn and turn[-1] in self.turn_ends))  # fmt: skip
 
     def _answer_with(
         self, s: Session, tokens: list[int], log_probs: list[float], versions: list[int],
-        finished: bool,
+        finished: bool, limited: bool = False,
     ) -> None:  # fmt: skip
         """Answer the session's call with the model's turn: the response's tokens from
         where the turn started. A turn that leaves no room (``finished``) and did not end
-        with EOS (a call cut, or a call with no room for its answer) ends with "length"."""
+        with EOS (a call cut, or a call with no room for its answer), or that the call's
+        ``max_tokens`` stopped (``limited``), ends with "length"."""
         kind, body, future = s.call
         s.call = None
         s.answered = time.monotonic()
         turn = tokens[s.turn_start :]
-        cut = finished and not (turn and turn[-1] == self.eos_id)
+        cut = (finished and not (turn and turn[-1] == self.eos_id)) or limited
         answer = s.conversation.answer(turn, cut, room_left=not finished)
         prompt = self.prompts[s.key] + tokens[: s.turn_start]
         future.set_result(Result(s.id, answer, prompt, turn, log_probs[s.turn_start :],
