@@ -73,26 +73,25 @@ def test_tool_task_learns_with_vllm(tmp_path):
     check_audit(run_dir, sync_every=4, max_staleness=4)
 
 
-def test_your_own_agent_learns_the_tool_task_through_the_gateway_on_vllm(tmp_path):
+def test_your_own_agent_runs_through_the_gateway_on_vllm(tmp_path):
     """The lookup task as the user's own agent (``examples/lookup_agent.py``: the openai
     client and OpenAI tool calling), its calls through the rollout rank's gateway into
-    vLLM, 60 steps: the agent's tool calls per session (``agent/tool_calls``, the number
-    it returns beside its reward) and the reward rise; every sync reaches vLLM's worker
-    and every sample is trained once at its true staleness. The learning to 0.8 over seeds
-    (hf engine): BENCHMARKS.md "Bring your own agent"."""
-    run_dir, steps = tmp_path / "run", 60
+    vLLM, 24 steps: every session ends with its reward (no group dropped but for
+    staleness), the agent's own number is logged at every step, every sync reaches vLLM's
+    worker and every sample is trained once at its true staleness. Its learning (to 0.8
+    over seeds, hf engine): BENCHMARKS.md "Bring your own agent"; the exact tokens of each
+    call: tests/rollout/test_gateway.py."""
+    run_dir, steps = tmp_path / "run", 24
     args = [*VLLM, "data.task=tool_lookup", "data.agent=examples.lookup_agent:run",
             "rollout.response_length=10", f"trainer.total_steps={steps}"]  # fmt: skip
     proc = Run.start(run_dir, *args, rollout_ranks=1).finish()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
-    # A rise, not a pace: BAR_NOTE
-    calls = [m["agent/tool_calls"] for m in metrics]
-    assert sum(calls[-20:]) >= 4 * sum(calls[:20]), calls
-    first, last = range(1, 21), range(steps - 19, steps + 1)
-    assert mean_reward(metrics, last) >= 3 * mean_reward(metrics, first), metrics
-    check_weights_match(run_dir, rollout_ranks=1, versions=16)  # v0, then every 4 steps
+    assert all(0 <= m["agent/tool_calls"] <= 4 for m in metrics), metrics
+    dropped = read_jsonl(run_dir / "dropped_samples.jsonl")
+    assert all(r["reason"] == "stale" for r in dropped), dropped
+    check_weights_match(run_dir, rollout_ranks=1, versions=7)  # v0, then every 4 steps
     check_audit(run_dir, sync_every=4, max_staleness=4)
 
 
