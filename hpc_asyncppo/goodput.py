@@ -92,6 +92,10 @@ class Attempt:
             end = last_activity(run_dir) or previous["start"]
             end = min(max(end, previous["start"]), start)
             previous.update(end=end, wall_s=end - previous["start"], reason="killed")
+        if previous is not None:
+            # the launcher's start, read in clock ticks since boot, may fall a tick before
+            # the previous attempt's end when it was started right after: never before it
+            start = max(start, previous["end"])
         lost = 0.0
         if previous is not None:
             # the previous attempt's work after the checkpoint this one starts from

@@ -148,3 +148,22 @@ def test_a_backoff_a_stop_ends_belongs_to_the_failed_attempt(tmp_path):
     assert (row["end"], row["wall_s"], row["reason"]) == (137.5, 37.5, "failed")
     assert row["restarted"] is False and row["failure"] == [KILLED.format(pid=1)]
     assert goodput.summary([row])["run_wall_s"] == 37.5
+
+
+def test_an_attempt_started_within_a_clock_tick_of_the_last_ones_end_begins_at_that_end(
+    tmp_path, monkeypatch
+):
+    """The launcher's start is read from /proc in clock ticks: a resume right after a stop
+    may seem to start before the stopped attempt ended. Its row starts at that end (no
+    overlap, no negative wait), and the walls still add up to the run's."""
+    from hpc_asyncppo import goodput
+
+    monkeypatch.setenv(goodput.ATTEMPT_START, "100.0")
+    first = goodput.Attempt(tmp_path, 0, None)
+    with monkeypatch.context() as m:
+        m.setattr(goodput.time, "time", lambda: 130.0)
+        first.end(9, "signal SIGTERM")
+    monkeypatch.setenv(goodput.ATTEMPT_START, "129.995")  # a tick early
+    second = goodput.Attempt(tmp_path, 9, 129.0)
+    assert second.row["start"] == 130.0 and second.row["requeue_wait_s"] == 0.0
+    assert second.row["lost_s"] == 1.0  # the work after the checkpoint it resumed from
