@@ -640,8 +640,8 @@ class Rollouter:
             rollout_rank=self.rank,
             # the oldest weights that sampled any of its tokens (an agent's session replayed
             # after a resume keeps the tokens sampled before the stop)
-            param_version_start=min(
-                version_start, int(gen.versions.min(initial=version_start, where=gen.versions >= 0))
+            param_version_start=int(
+                gen.versions.min(initial=version_start, where=gen.versions >= 0)
             ),
             param_version_end=max(version_start, int(gen.versions.max())),
             prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
