@@ -3,9 +3,17 @@ from the repository root, the job's working directory)."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
 
 from examples.lookup_agent import run as lookup
+from hpc_asyncppo.runtime.faults import RUN_DIR_ENV
+
+# the gated session's first answer, as it got it before the stop and after the resume
+GATED = "gated_first_answer.json"
+GATED_AGAIN = "gated_first_answer_again.json"
 
 
 class _Slow:
@@ -35,3 +43,48 @@ def slow_and_failing(client, row):
             return {"reward": "garbage"}
         return 1.0
     return lookup(_Slow(client), row)
+
+
+class _Gate(_Slow):
+    """The first session of a run to get an answer (``GATED`` in the run directory names
+    it, created once) waits after that answer until its rank's process ends, so a stop
+    finds it with one turn recorded. Run again after a resume, the same session writes the first
+    answer it gets then (``GATED_AGAIN``) and goes on."""
+
+    def __init__(self, client, session_id: str):
+        super().__init__(client)
+        self.session_id, self.calls = session_id, 0
+        self.run_dir = Path(os.environ[RUN_DIR_ENV])
+
+    def create(self, **kwargs):
+        answer = super().create(**kwargs)
+        self.calls += 1
+        if self.calls == 1:
+            extra = answer.choices[0].model_extra
+            first = {
+                "session": self.session_id,
+                "prompt_token_ids": answer.model_extra["prompt_token_ids"],
+                **{k: extra[k] for k in ("token_ids", "token_logprobs", "token_versions")},
+            }
+            gated, mine = self.run_dir / GATED, self.run_dir / f"{GATED}.{self.session_id}"
+            if gated.exists():
+                if json.loads(gated.read_text())["session"] == self.session_id:
+                    (self.run_dir / GATED_AGAIN).write_text(json.dumps(first))
+                return answer
+            mine.write_text(json.dumps(first))
+            try:
+                os.link(mine, gated)  # whole, and only the run's first: it waits for the stop
+            except FileExistsError:
+                return answer
+            finally:
+                mine.unlink()
+            time.sleep(600)  # the stop ends this process first (tests/harness.py HANG_S)
+            raise RuntimeError("the gated session was never stopped")
+        return answer
+
+
+def gated_slow_and_failing(client, row):
+    """``slow_and_failing``, one session of which waits for the stop (``_Gate``)."""
+    if row.index % 7 == 3:
+        return slow_and_failing(client, row)
+    return lookup(_Gate(client, row.session_id), row)

@@ -1,20 +1,26 @@
 """Your own agent (``data.agent``) driving generation through the rollout ranks' gateways
 under mpirun, on the transformers engine: the example lookup agent stopped by SIGTERM
 with sessions in flight, resumed on two rollout ranks, stopped again, resumed on one, with
-every session of every prompt trained exactly once; agents that fail drop their groups with
-the reason, and the run goes on. The exact tokens of each call and session:
-tests/rollout/test_gateway.py."""
+every session of every prompt trained exactly once, and a session's call before the stop
+answered after it from the checkpoint's recording, not generated again; agents that fail
+drop their groups with the reason, and the run goes on. The exact tokens of each call and
+session: tests/rollout/test_gateway.py."""
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 
 import pytest
 
+from hpc_asyncppo.checkpoint.protocol import list_checkpoints
+from hpc_asyncppo.checkpoint.store import CheckpointReader
 from hpc_asyncppo.rollout.gateway.addresses import read_addresses
 from hpc_asyncppo.runlog import read_jsonl
 from tests.harness import HANG_S, REPO, Run, check_audit
+from tests.integration.agents import GATED, GATED_AGAIN
 
 pytestmark = pytest.mark.mpi
 
@@ -33,15 +39,30 @@ AGENT = [
 
 @pytest.mark.timeout(900)
 def test_agent_sessions_stopped_in_flight_resume_on_other_rank_counts_trained_once(tmp_path):
+    """The first stop comes once the run's first answered session (its agent waits after
+    that answer: ``tests/integration/agents.py`` ``_Gate``) has two trainer steps behind
+    it, so the checkpoint holds that session's first turn under older weights than the
+    resume's; the second stop two steps into the second attempt."""
     run_dir = tmp_path / "run"
     steps = 9
-    run = Run.start(run_dir, *AGENT, f"trainer.total_steps={steps}",
+    args = [a.replace("slow_and_failing", "gated_slow_and_failing") for a in AGENT]
+    run = Run.start(run_dir, *args, f"trainer.total_steps={steps}",
                     "async_training.partial_rollout=true", rollout_ranks=1,
                     train_ranks=1)  # fmt: skip
-    for rollout_ranks, step in ((2, 3), (1, 6)):
-        run.wait_for_step(step)
+    run.wait_until(lambda: (run_dir / GATED).exists(), "the gated session's first answer")
+    gated = json.loads((run_dir / GATED).read_text())
+    for rollout_ranks in (2, 1):
+        run.wait_for_step(max(run.steps_done(), 1) + 2)
         assert read_addresses(run_dir)  # every rollout rank listens, and says where
         run.stop()
+        if rollout_ranks == 2:  # the checkpoint holds the gated session's first turn
+            (folder,) = list_checkpoints(run_dir)[:1]
+            with CheckpointReader(folder / "rollout0.h5") as reader:
+                cut = reader.get("partial") or []
+            j = int(gated["session"].rsplit("-r", 1)[1])
+            turn = gated["token_ids"]
+            [held] = [g for g in cut if g["prompt"].tolist() == gated["prompt_token_ids"]
+                      and g["response_ids"][j, : len(turn)].tolist() == turn]  # fmt: skip
         run.resume(rollout_ranks=rollout_ranks)
     proc = run.finish()
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -64,12 +85,22 @@ def test_agent_sessions_stopped_in_flight_resume_on_other_rank_counts_trained_on
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     assert all(0 <= m["agent/tool_calls"] <= 4 for m in metrics), metrics
-    # the sessions cut by each stop ran again from their prompts (partial rollout: their
-    # agents' calls answered from the checkpoint's recordings while they were the same;
-    # which calls a stop finds recorded is the machine's pace: the replay's own test is
-    # tests/rollout/test_gateway.py)
     attempts = read_jsonl(run_dir / "goodput.jsonl")
     assert [a["reason"] for a in attempts][-1] == "finished" and len(attempts) == 3
+    # the sessions cut by each stop ran again from their prompts, their agents' calls
+    # answered from the checkpoint's recordings while they were the same (partial rollout):
+    # the gated session's first answer after the resume is its answer before the stop,
+    # tokens, log-probs and the versions that sampled them, all older than the weights the
+    # resume began with (every token generated after it carries those or newer)
+    again = json.loads((run_dir / GATED_AGAIN).read_text())
+    assert again == gated, (gated, again)
+    leader_log = (run_dir / "logs" / "rank2.log").read_text()  # the resumed attempt's leader
+    resumed_version = int(re.search(r"resumed from .*: step \d+, version (\d+)", leader_log)[1])
+    assert max(gated["token_versions"]) < resumed_version, (gated, resumed_version)
+    assert held["versions"][j, : len(turn)].tolist() == gated["token_versions"]
+    logs = "".join((run_dir / "logs" / f"rank{r}.log").read_text() for r in (0, 1))
+    replayed = re.findall(r"(\d+) agent calls answered from cut sessions' recordings", logs)
+    assert sum(map(int, replayed)) >= 1, replayed
 
 
 @pytest.mark.timeout(900)

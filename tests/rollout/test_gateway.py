@@ -108,7 +108,11 @@ class Loop(threading.Thread):
         done: queue.Queue = queue.Queue()
 
         def cut_here(_):
-            done.put(self.engine.groups.pop(key).partial(WIDTH, self.engine.pad_id))
+            if key in self.engine.groups:
+                done.put(self.engine.groups.pop(key).partial(WIDTH, self.engine.pad_id))
+            else:  # the engine finished it: its sessions' rewards are awaited
+                done.put(dict(self.sessions.unsubmitted(WIDTH, self.engine.pad_id,
+                                                        self.engine))[key])  # fmt: skip
             self.sessions.forget(key, "the run stopped")
 
         self.opening.put((cut_here, None, None, None))
@@ -473,6 +477,36 @@ def test_a_turn_that_fills_the_room_is_answered_and_the_group_waits_for_the_rewa
     served["sessions"].end(sid, 0.25).result(timeout=HANG_S)
     gen, rewards, dropped, *_ = served["loop"].result(key)
     assert rewards == [0.25] and dropped == "" and gen.response_lengths.tolist() == [WIDTH]
+
+
+def test_a_group_the_engine_finished_is_cut_with_its_tokens_and_replayed_after_a_resume(
+    served,
+):
+    """A stop that finds a group whose turns filled the room, its reward not yet given: the
+    checkpoint keeps its tokens, and after the resume the same call is answered from them
+    (v3 while the engine is at v4), not generated again."""
+    engine, sessions, loop = served["engine"], served["sessions"], served["loop"]
+    prompt = served["task"].prompts()[6]
+    [sid] = loop.open(("held", 6), 1, prompt)
+    c = client(served, sid)
+    before = c.completions.create(model="tiny", prompt="question")
+    assert before.choices[0].finish_reason == "length"
+    recorded = loop.cut(("held", 6))
+    assert recorded.sofar.response_lengths.tolist() == [WIDTH] and recorded.finished.all()
+    replayed = sessions.replayed_calls
+    try:
+        engine.version = 4
+        assert loop.open(("held-resumed", 6), 1, prompt, recorded) == [sid]
+        again = c.completions.create(model="tiny", prompt="question")
+        assert again.choices[0].model_extra == before.choices[0].model_extra
+        assert again.choices[0].model_extra["token_versions"] == [3] * WIDTH
+        assert again.choices[0].finish_reason == "length"
+        assert sessions.replayed_calls == replayed + 1
+        sessions.end(sid, 0.5).result(timeout=HANG_S)
+        gen, rewards, dropped, *_ = loop.result(("held-resumed", 6))
+        assert rewards == [0.5] and dropped == "" and gen.versions.tolist() == [[3] * WIDTH]
+    finally:
+        engine.version = 3
 
 
 def test_max_tokens_stops_the_calls_turn_and_the_session_goes_on(served):

@@ -511,19 +511,28 @@ class Sessions:
     def unsubmitted(
         self, width: int, pad_id: int, engine: Any
     ) -> list[tuple[Hashable, PartialGroup]]:
-        """Groups in flight whose sessions have not called yet (no prompt, no tokens): cut
-        into a checkpoint as empty groups, their prompts run again after a resume; or,
-        resumed from a recording not yet called for, cut as that recording again."""
+        """The groups in flight the engine does not hold, cut for a checkpoint: those whose
+        sessions have not called yet, as empty groups (their prompts run again after a
+        resume), or, resumed from a recording not yet called for, as that recording again;
+        and those the engine finished whose agents have not all given their rewards
+        (``held``), with their tokens: the recording their sessions are answered from
+        after a resume."""
         cut = []
         for key, group in self.groups.items():
             if key in engine.groups:
                 continue
-            if key in self.recorded_prompts and key not in self.held:
+            if key in self.held:
+                gen = self.held[key]
+                finished = np.ones(len(group), dtype=bool)
+                cut.append((key, PartialGroup(list(self.prompts[key]), gen, finished)))
+            elif key in self.recorded_prompts:
                 responses = [s.recorded or Response() for s in group]
-                cut.append((key, ResponseGroup(self.recorded_prompts[key], responses)))
-            else:  # held groups too: their sessions run again
-                cut.append((key, ResponseGroup([self.eos_id], [Response() for _ in group])))
-        return [(key, g.partial(width, pad_id)) for key, g in cut]
+                partial = ResponseGroup(self.recorded_prompts[key], responses)
+                cut.append((key, partial.partial(width, pad_id)))
+            else:
+                empty = ResponseGroup([self.eos_id], [Response() for _ in group])
+                cut.append((key, empty.partial(width, pad_id)))
+        return cut
 
     def forget(self, key: Hashable, why: str) -> None:
         """A group given up on this rank (it runs again from its prompt): its calls fail."""
