@@ -13,6 +13,10 @@ through that base URL, ``POST /v1/sessions/{id}/reward`` with the reward, or wit
 ``{"error": ...}`` where the agent failed (the run is stopping, a call was refused, a bug):
 a session never ended holds its whole group until ``gateway.agent_timeout_s``. The run has
 ended when every rank's record (RUN_DIR/ranks/rank{i}.json) says ``"state": "done"``.
+
+``--transcripts FILE`` appends a line per session ended: its id, the last call's messages
+with the model's last answer, and per call the exact tokens the gateway returned (the
+context's ids, the sampled ids, their log-probs and versions): what the trainer gets.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 import types
 from concurrent.futures import ThreadPoolExecutor
@@ -71,6 +76,37 @@ def claim(http: httpx.Client, args: argparse.Namespace, headers: dict) -> dict |
     return None
 
 
+class Transcript:
+    """An ``openai`` client that keeps what its session's calls sent and got back."""
+
+    def __init__(self, client: openai.OpenAI):
+        self.client, self.chat, self.completions = client, self, self
+        self.messages: list[dict] = []
+        self.calls: list[dict] = []
+
+    def create(self, **kwargs):
+        answer = self.client.chat.completions.create(**kwargs)
+        choice = answer.choices[0]
+        self.messages = [*kwargs["messages"], choice.message.model_dump(exclude_none=True)]
+        extra = choice.model_extra
+        self.calls.append({
+            "prompt_token_ids": answer.model_extra["prompt_token_ids"],
+            **{k: extra[k] for k in ("token_ids", "token_logprobs", "token_versions")},
+            "finish_reason": choice.finish_reason,
+        })  # fmt: skip
+        return answer
+
+
+_written = threading.Lock()
+
+
+def write_transcript(path: Path, session_id: str, transcript: Transcript, outcome: dict) -> None:
+    line = {"session_id": session_id, "outcome": outcome, "messages": transcript.messages,
+            "calls": transcript.calls}  # fmt: skip
+    with _written, path.open("a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
 def agent_loop(args: argparse.Namespace, token: str) -> int:
     """Claim, run, end, until the run has ended (or no rank gave a session for
     ``--wait-s``); the count of sessions ended with a reward."""
@@ -90,10 +126,13 @@ def agent_loop(args: argparse.Namespace, token: str) -> int:
         row = types.SimpleNamespace(**claimed["row"])
         client = openai.OpenAI(base_url=claimed["base_url"], api_key=token, max_retries=0,
                                http_client=http)  # fmt: skip
+        transcript = Transcript(client)
         try:
-            outcome = lookup(client, row)
+            outcome = lookup(transcript if args.transcripts else client, row)
         except Exception as exc:  # noqa: BLE001 - the session fails, the agent goes on
             outcome = {"error": f"{type(exc).__name__}: {exc}"}  # its group is dropped
+        if args.transcripts:
+            write_transcript(args.transcripts, claimed["session_id"], transcript, outcome)
         try:  # end it: a session never ended holds its group gateway.agent_timeout_s
             http.post(f"{claimed['gateway']}/v1/sessions/{claimed['session_id']}/reward",
                       headers=headers, json=outcome)  # fmt: skip
@@ -114,6 +153,9 @@ def main() -> int:
         help="end after this long without a session (the run has not started, or is gone)",
     )
     parser.add_argument("--local", action="store_true", help="call 127.0.0.1, not the host name")
+    parser.add_argument(
+        "--transcripts", type=Path, help="append each session's calls and exact tokens here"
+    )
     args = parser.parse_args()
     token_file = args.run_dir / "gateway" / "token"
     deadline = time.monotonic() + args.wait_s

@@ -376,6 +376,58 @@ def test_an_external_agent_claims_a_session_calls_and_ends_it_with_its_reward(se
     assert "not a finite reward" in dropped  # {"reward": "x"} ended it, as failed
 
 
+def test_an_external_agent_process_trains_the_tokens_it_was_answered_with(served, tmp_path):
+    """The example external agent (``examples/external_agent.py``, its own process) claims
+    both sessions of a group and runs the lookup agent on them: each trained sample is the
+    template's tokens of the session's final conversation, its model tokens and log-probs
+    bit-equal to what the agent's calls were answered with, its tool answers masked out."""
+    import shutil
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"  # its own: the agent reads the gateway and the run's end here
+    shutil.copytree(served["root"] / "gateway", run_dir / "gateway")
+    prompt = served["task"].prompts()[4]
+    key = ("external-process", 4)
+    ids = served["loop"].open(key, 2, prompt)
+    transcripts = tmp_path / "transcripts.jsonl"
+    agent = subprocess.Popen(
+        [sys.executable, "examples/external_agent.py", str(run_dir), "--local", "--sessions",
+         "2", "--transcripts", str(transcripts)],
+        cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        gen, rewards, dropped, prompt_ids, _ = served["loop"].result(key)
+        (run_dir / "ranks").mkdir()
+        (run_dir / "ranks" / "rank0.json").write_text('{"state": "done"}')  # the run ended
+        out, _ = agent.communicate(timeout=HANG_S)
+    finally:
+        agent.kill()
+    assert agent.returncode == 0 and out.strip() == "external agent: 2 sessions ended", out
+    assert dropped == "" and len(rewards) == 2
+    tokenizer = served["engine"].tokenizer
+    by_session = {row["session_id"]: row for row in map(json.loads, transcripts.open())}
+    for j, sid in enumerate(ids):
+        calls, messages = by_session[sid]["calls"], by_session[sid]["messages"]
+        sampled = [t for c in calls for t in c["token_ids"]]
+        # what the model wrote, as its tokens say; what the agent sent, as it sent it
+        said = [tokenizer.decode(c["token_ids"], skip_special_tokens=True) for c in calls]
+        assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
+        conversation = [{"role": "user", "content": messages[0]["content"]},
+                        {"role": "assistant", "content": said[0]},
+                        {"role": "tool", "content": messages[2]["content"]},
+                        {"role": "assistant", "content": said[1]}]  # fmt: skip
+        check_trained(served, gen, prompt_ids, j, conversation, sampled)
+        # the last call's context and answer are the trained row, log-probs included
+        length = int(gen.response_lengths[j])
+        last = calls[-1]
+        row = list(prompt_ids) + gen.response_ids[j, :length].tolist()
+        assert last["prompt_token_ids"] + last["token_ids"] == row
+        mask = gen.loss_mask[j, :length].astype(bool)
+        logged = np.asarray([lp for c in calls for lp in c["token_logprobs"]], np.float32)
+        assert np.array_equal(gen.log_probs[j, :length][mask], logged)
+
+
 def test_an_external_agent_that_cannot_finish_fails_its_session_and_the_group_is_dropped(served):
     """``{"error": ...}`` ends a claimed session as failed: its group is dropped with the
     agent's words once its other sessions end, not after gateway.agent_timeout_s."""
