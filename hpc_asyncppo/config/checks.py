@@ -269,10 +269,6 @@ def check_agent(cfg: Config) -> None:
             "data.agent runs your agent, which calls its own tools: set "
             "rollout.multi_turn.enable=false (the project's tools are for runs without an agent)"
         )
-    if cfg.trainer.test_freq:
-        raise ConfigError(
-            "data.agent: validation through agents is not built yet: set trainer.test_freq=0"
-        )
 
 
 def validate(cfg: Config, rollout_ranks: int = 1, train_ranks: int = 1) -> None:

@@ -136,7 +136,7 @@ class Rollouter:
         self.granted: deque[int] = deque()  # draws (prompts) the leader granted, not started
         self.sender = sender if sender is not None else SampleSender(topo.inter)
         self.validator = Validator(
-            cfg, self.rank, topo.rollout_ranks, self.engine, self.sender, self.turns
+            cfg, self.rank, topo.rollout_ranks, self.engine, self.sender, self.turns, self.sessions
         )
         self.attach(engine)
         self.synced = False  # the first sync has come (time counts from it)
@@ -199,7 +199,9 @@ class Rollouter:
         cfg, token = self.cfg, read_token(self.run_dir)
         gateway: Gateway | None = None
         agent = load_agent(cfg.data)  # None: external agents claim the sessions
-        held = cfg.rollout.prompts_per_generate * cfg.rollout.n  # sessions in flight at most
+        # sessions in flight at most: training groups', and validation's beside them
+        val_n = cfg.rollout.val_n if cfg.trainer.test_freq and cfg.data.val else 0
+        held = cfg.rollout.prompts_per_generate * (cfg.rollout.n + val_n)
         runner = AgentRunner(agent, lambda: gateway.port, token, held) if agent else None
         sessions = Sessions(
             self.engine.tokenizer, self.engine.eos_id, cfg.rollout.response_length,
@@ -548,6 +550,7 @@ class Rollouter:
                     if self.sessions is not None
                     else []
                 )
+                if not self.validator.owns(key)
             ]
         )
         tree = protocol.tree_of({"rng": RngState(), "cut_groups": cut})

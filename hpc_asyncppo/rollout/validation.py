@@ -10,6 +10,11 @@ with the task's reward and sent as one small message (``result_message``): they 
 reach the sample sender, the credits or the sent-groups record, so the trainer's queue and
 its staleness audit know nothing of them.
 
+With ``data.agent`` the val groups are sessions (``gateway/sessions.py``): ``val_n`` per
+prompt, at ``rollout.val_temperature``, run by the run's agents as training sessions are
+(named ``val-s{step}-p{index}-r{j}``), and scored with the rewards the agents give; a
+session that fails scores 0 (its reason in the rank's log).
+
 Every response of one validation comes from one weights version, the one the leader
 announced before asking: a weight sync (or the stop) that arrives while a validation is
 under way waits for it to end (``finish``). An engine that died and restarted meanwhile
@@ -29,6 +34,7 @@ import numpy as np
 
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.rollout.engine import RolloutEngine
+from hpc_asyncppo.rollout.gateway.sessions import Sessions
 from hpc_asyncppo.rollout.generation import Generation
 from hpc_asyncppo.rollout.turns import Turns
 from hpc_asyncppo.tasks import Prompt, load_val_task, tokenize_prompt
@@ -89,11 +95,13 @@ class Validator:
         engine: RolloutEngine,
         sender: SampleSender,
         turns: Turns | None = None,
+        sessions: Sessions | None = None,
     ):
         """``turns``: multi-turn, the rank's trajectories (val groups call tools too, and
-        their tools' rewards add to the task's)."""
+        their tools' rewards add to the task's). ``sessions``: data.agent, the rank's
+        sessions (val groups are sessions its agents run and score)."""
         self.cfg, self.rank, self.engine, self.sender = cfg, rank, engine, sender
-        self.turns = turns
+        self.turns, self.sessions = turns, sessions
         self.jobs: deque[ValidationJob] = deque()
         self.requested = 0
         self.prompts: list[Prompt] = []
@@ -150,7 +158,13 @@ class Validator:
                 position = job.pending.popleft()
                 key = (VAL_KEY, job.id, position)
                 rollout = self.cfg.rollout
-                self.engine.submit(key, self.ids[position], rollout.val_n, rollout.val_temperature)
+                if self.sessions is not None:  # the agents' first calls bring the prompt
+                    prompt = self.prompts[position]
+                    self.sessions.open_group(key, f"val-s{job.step}-p{prompt.index}", prompt,
+                                             rollout.val_n, temperature=rollout.val_temperature)  # fmt: skip
+                else:
+                    self.engine.submit(key, self.ids[position], rollout.val_n,
+                                       rollout.val_temperature)  # fmt: skip
                 job.in_flight += 1
                 room -= 1
 
@@ -160,15 +174,22 @@ class Validator:
         job = next(j for j in self.jobs if j.id == job_id)
         prompt = self.prompts[position]
         n = gen.response_ids.shape[0]
-        rewards = np.array(
-            [
-                self.task.reward(
-                    prompt, self.engine.decode(gen.response_ids[j, : gen.response_lengths[j]])
-                )
-                for j in range(n)
-            ],
-            dtype=np.float32,
-        )
+        if self.sessions is not None:  # the agents' rewards
+            given, failed, _, _ = self.sessions.finish(key)
+            rewards = np.asarray(given, dtype=np.float32)
+            if failed:
+                log.warning("rank %d: a val group of step %d scores 0 for its failed sessions "
+                            "(%s)", self.rank, job.step, failed)  # fmt: skip
+        else:
+            rewards = np.array(
+                [
+                    self.task.reward(
+                        prompt, self.engine.decode(gen.response_ids[j, : gen.response_lengths[j]])
+                    )
+                    for j in range(n)
+                ],
+                dtype=np.float32,
+            )
         if self.turns is not None:
             rewards += np.asarray(self.turns.finish(key, n), dtype=np.float32)
         job.rewards[position] = rewards
@@ -180,6 +201,8 @@ class Validator:
         _, job_id, position = key
         job = next(j for j in self.jobs if j.id == job_id)
         job.in_flight -= 1
+        if self.sessions is not None:
+            self.sessions.forget(key, "its engine restarted: the validation runs it again")
         if job.void:
             self._send_done()
         else:

@@ -18,7 +18,9 @@ import pytest
 from hpc_asyncppo.checkpoint.protocol import list_checkpoints
 from hpc_asyncppo.checkpoint.store import CheckpointReader
 from hpc_asyncppo.rollout.gateway.addresses import read_addresses
-from hpc_asyncppo.runlog import read_jsonl
+from hpc_asyncppo.runlog import read_jsonl, split_metrics
+from hpc_asyncppo.tasks.next_digit import write_prompts
+from hpc_asyncppo.tasks.tool_lookup import generate_prompts
 from tests.harness import HANG_S, REPO, Run, check_audit
 from tests.integration.agents import GATED, GATED_AGAIN
 
@@ -44,11 +46,12 @@ def test_agent_sessions_stopped_in_flight_resume_on_other_rank_counts_trained_on
     it, so the checkpoint holds that session's first turn under older weights than the
     resume's; the second stop two steps into the second attempt."""
     run_dir = tmp_path / "run"
-    steps = 9
+    steps, val_prompts = 9, 6
+    write_prompts(tmp_path / "val.jsonl", generate_prompts(val_prompts, seed=99))
     args = [a.replace("slow_and_failing", "gated_slow_and_failing") for a in AGENT]
     run = Run.start(run_dir, *args, f"trainer.total_steps={steps}",
-                    "async_training.partial_rollout=true", rollout_ranks=1,
-                    train_ranks=1)  # fmt: skip
+                    "async_training.partial_rollout=true", f"data.val={tmp_path / 'val.jsonl'}",
+                    "trainer.test_freq=3", rollout_ranks=1, train_ranks=1)  # fmt: skip
     run.wait_until(lambda: (run_dir / GATED).exists(), "the gated session's first answer")
     gated = json.loads((run_dir / GATED).read_text())
     for rollout_ranks in (2, 1):
@@ -64,6 +67,7 @@ def test_agent_sessions_stopped_in_flight_resume_on_other_rank_counts_trained_on
             [held] = [g for g in cut if g["prompt"].tolist() == gated["prompt_token_ids"]
                       and g["response_ids"][j, : len(turn)].tolist() == turn]  # fmt: skip
         run.resume(rollout_ranks=rollout_ranks)
+    stopped_at = run.steps_done()
     proc = run.finish()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     trained = check_audit(run_dir, sync_every=1, max_staleness=MAX_STALENESS, partial=True)
@@ -82,9 +86,13 @@ def test_agent_sessions_stopped_in_flight_resume_on_other_rank_counts_trained_on
         assert why in reason, reason
     assert all(int(r["uid"].split("-p")[1].split("-")[0]) % 7 != 3 for r in trained)
     # the agents' own numbers (the lookup agent's tool_calls) are logged, per step
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    metrics, vals = split_metrics(read_jsonl(run_dir / "metrics.jsonl"))
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     assert all(0 <= m["agent/tool_calls"] <= 4 for m in metrics), metrics
+    # validation through the agents (a stop does not wait for one in flight), every
+    # val prompt scored, from the last resume on at every trainer.test_freq steps
+    assert all(v["step"] % 3 == 0 and v["val/prompts"] == val_prompts for v in vals), vals
+    assert {v["step"] for v in vals} >= set(range(stopped_at + -stopped_at % 3, steps + 1, 3))
     attempts = read_jsonl(run_dir / "goodput.jsonl")
     assert [a["reason"] for a in attempts][-1] == "finished" and len(attempts) == 3
     # the sessions cut by each stop ran again from their prompts, their agents' calls
@@ -107,13 +115,18 @@ def test_agent_sessions_stopped_in_flight_resume_on_other_rank_counts_trained_on
 def test_external_agent_processes_claim_every_session_of_a_run_on_two_rollout_ranks(tmp_path):
     """``data.agent=external``: no agent in the job; two processes outside it (the example
     ``examples/external_agent.py``) claim sessions from both ranks' gateways until the run
-    ends."""
+    ends, validation's sessions too: each validation's score is the mean of the rewards
+    the agents gave its sessions."""
     run_dir = tmp_path / "run"
-    steps = 4
+    steps, val_prompts, val_n = 4, 6, 2
+    write_prompts(tmp_path / "val.jsonl", generate_prompts(val_prompts, seed=99))
     args = [a for a in AGENT if not a.startswith("data.agent=")]
     run = Run.start(run_dir, *args, "data.agent=external", f"trainer.total_steps={steps}",
-                    rollout_ranks=2, train_ranks=1)  # fmt: skip
-    agent = [sys.executable, "examples/external_agent.py", str(run_dir), "--local"]
+                    f"data.val={tmp_path / 'val.jsonl'}", "trainer.test_freq=2",
+                    f"rollout.val_n={val_n}", rollout_ranks=2, train_ranks=1)  # fmt: skip
+    transcripts = tmp_path / "transcripts.jsonl"
+    agent = [sys.executable, "examples/external_agent.py", str(run_dir), "--local",
+             "--transcripts", str(transcripts)]  # fmt: skip
     agents = [subprocess.Popen(agent, cwd=REPO, stdout=subprocess.PIPE, text=True)
               for _ in range(2)]  # fmt: skip
     try:
@@ -132,3 +145,12 @@ def test_external_agent_processes_claim_every_session_of_a_run_on_two_rollout_ra
               if r["reason"] != "stale"]  # fmt: skip
     assert not failed, failed  # the example agent ends every session it claims, and well
     assert sum(int(o.split()[2]) for o in outputs) >= len(trained) // 8  # "N sessions ended"
+    # validation at steps 0, 2 and 4, through the agents: its score is their rewards' mean
+    ended = [json.loads(line) for line in transcripts.open()]
+    vals = split_metrics(read_jsonl(run_dir / "metrics.jsonl"))[1]
+    assert [v["step"] for v in vals] == [0, 2, 4], vals
+    for v in vals:
+        given = [t["outcome"]["reward"] for t in ended
+                 if t["session_id"].startswith(f"val-s{v['step']}-p")]  # fmt: skip
+        assert len(given) == val_prompts * val_n, given
+        assert v["val/reward/mean"] == pytest.approx(sum(given) / len(given), abs=1e-6)

@@ -133,7 +133,8 @@ class Sessions:
         # have not all ended: sent once their agents give the rewards
         self.held: dict[Hashable, Generation] = {}
         self.stopping: str | None = None
-        self.reopened: dict[Hashable, int] = {}
+        self.reopened: dict[Hashable, int] = {}  # groups in flight opened more than once
+        self.temperatures: dict[Hashable, float] = {}  # groups not at the run's temperature
         self.recorded_prompts: dict[Hashable, list[int]] = {}  # resumed groups' prompts
         self.replayed_calls = 0  # answered from a cut session's recording
         self.replayed_tokens = 0  # the model's tokens those answers kept
@@ -171,11 +172,12 @@ class Sessions:
     # --- the rank's loop ------------------------------------------------------------------
     def open_group(
         self, key: Hashable, uid_prefix: str, prompt: Prompt, n: int,
-        recorded: PartialGroup | None = None,
+        recorded: PartialGroup | None = None, temperature: float | None = None,
     ) -> None:  # fmt: skip
         """A granted prompt row: n sessions, each with its agent started (if any).
         ``recorded``: the group as a checkpoint cut it (its sessions' calls so far): an
-        agent that calls as it did before is answered from it (``_replay``)."""
+        agent that calls as it did before is answered from it (``_replay``).
+        ``temperature``: the group's, if not the run's (validation's)."""
         # a group opened again on this rank (its engine restarted under new weights) gets
         # new session ids: the old agents' late calls find no session
         again = self.reopened[key] = self.reopened.get(key, -1) + 1
@@ -188,6 +190,8 @@ class Sessions:
             self.recorded_prompts[key] = list(recorded.prompt)
             for s, r in zip(group, ResponseGroup.of(recorded).responses, strict=True):
                 s.recorded = r if r.tokens else None
+        if temperature is not None:
+            self.temperatures[key] = temperature
         with self.lock:
             self.groups[key] = group
             self.by_id.update((s.id, s) for s in group)
@@ -397,7 +401,7 @@ class Sessions:
                                "messages")  # fmt: skip
         if s.key not in engine.groups:
             group = self.groups[s.key]
-            engine.submit(s.key, ids, len(group))
+            engine.submit(s.key, ids, len(group), self.temperatures.get(s.key))
             self.prompts[s.key] = list(ids)
             for other in engine.groups[s.key].responses:
                 other.waiting = True  # until its own session calls
@@ -497,6 +501,8 @@ class Sessions:
         for s in group:
             self._discard(s)
         self.recorded_prompts.pop(key, None)
+        self.reopened.pop(key, None)  # sent: never opened again
+        self.temperatures.pop(key, None)
         prompt = self.prompts.pop(key)
         failed = sorted((s for s in group if s.failure is not None), key=lambda s: s.dragged)
         rewards = [s.reward if s.reward is not None else 0.0 for s in group]
@@ -543,6 +549,7 @@ class Sessions:
         self.prompts.pop(key, None)
         self.held.pop(key, None)
         self.recorded_prompts.pop(key, None)
+        self.temperatures.pop(key, None)
         for s in group:
             self._refuse(s, RequestError(503, why, kind="run_stopping"))
             s.failure = s.failure or why
