@@ -18,7 +18,14 @@ the root unit (embeddings and an untied LM head) and two decoder layers gathered
 ``model.dtype``, one layer's fp32 gradient before its reduce-scatter, the activations of one
 micro-batch (with gradient checkpointing each layer's input plus one layer recomputed), and
 the fp32 logits of ``actor.log_prob_chunk_tokens`` tokens three times (logits, softmax,
-gradient).
+gradient), and AdamW's temporaries during its step (``actor.optimizer_impl``: foreach,
+torch's choice on GPUs, makes one fp32 copy of the rank's shard of the trained
+parameters; a loop one tensor's shard at a time; fused none). The trainer leader also
+holds what it sends: the broadcaster's two bucket buffers and, with in-flight weight
+updates (``async_training.inflight_weight_update``, fully_async), a full copy of the
+weights in ``model.dtype`` from the gathering to the broadcast's end (without them, one
+gathered tensor at a time: the largest). The check counts the leader, the rank that
+needs the most.
 
 With LoRA (``actor.lora_rank``, ``models/lora.py``) the base is frozen in ``model.dtype``
 (size N / T bytes, no gradient or AdamW state) and the L adapter parameters carry the fp32
@@ -78,8 +85,11 @@ def rollout_problem(cfg: Config, shape: ModelShape, gpu_gb: float) -> str | None
     return None
 
 
-def trainer_terms(cfg: Config, shape: ModelShape, train_ranks: int) -> dict[str, float]:
-    """Bytes per trainer GPU, by term (the recipes' arithmetic)."""
+def trainer_terms(
+    cfg: Config, shape: ModelShape, train_ranks: int, leader: bool = True
+) -> dict[str, float]:
+    """Bytes per trainer GPU, by term (the recipes' arithmetic): the leader's, or with
+    ``leader=False`` another trainer rank's (no weight sync of its own)."""
     a = cfg.actor
     size = DTYPE_BYTES[cfg.model.dtype]
     n, h = shape.params, shape.hidden
@@ -116,6 +126,24 @@ def trainer_terms(cfg: Config, shape: ModelShape, train_ranks: int) -> dict[str,
     }
     if a.use_kl_loss and not a.lora_rank:
         terms["frozen reference (sharded)"] = size * n / train_ranks
+    trained = shape.lora_params(a.lora_rank, a.target_modules) if a.lora_rank else n
+    if a.optimizer_impl in ("auto", "foreach"):
+        terms["AdamW's foreach step: an fp32 copy of the shard"] = 4 * trained / train_ranks
+    elif a.optimizer_impl == "for-loop":
+        largest = trained / shape.layers if a.lora_rank else shape.largest_tensor
+        terms["AdamW's step: one tensor's fp32 shard"] = 4 * largest / train_ranks
+    if leader:
+        terms["the broadcaster's two bucket buffers"] = (
+            2 * cfg.trainer.weight_sync_bucket_mb * 2**20
+        )
+        sync = cfg.async_training
+        if sync.inflight_weight_update and sync.mode != "sync":
+            if a.lora_rank:
+                terms["the in-flight sync's copy of the adapters (float32)"] = 4 * trained
+            else:
+                terms[f"the in-flight sync's copy of the weights ({cfg.model.dtype})"] = size * n
+        elif not a.lora_rank:
+            terms["the largest tensor gathered for a sync"] = size * shape.largest_tensor
     return terms
 
 
@@ -128,10 +156,10 @@ def trainer_problem(cfg: Config, shape: ModelShape, gpu_gb: float, train_ranks: 
     largest = sorted(terms.items(), key=lambda kv: -kv[1])[:3]
     named = ", ".join(f"{name} {_gb(b)}" for name, b in largest)
     return (
-        f"train: each of {train_ranks} trainer ranks needs about {_gb(total)} of its "
-        f"{gpu_gb:g} GB GPU ({named}, ...): add trainer ranks, lower "
-        "actor.ppo_max_token_len_per_gpu (with actor.use_dynamic_bsz=true) or turn on "
-        "actor.gradient_checkpointing"
+        f"train: the trainer leader (of {train_ranks} trainer ranks) needs about {_gb(total)} "
+        f"of its {gpu_gb:g} GB GPU ({named}, ...): add trainer ranks, lower "
+        "actor.ppo_max_token_len_per_gpu (with actor.use_dynamic_bsz=true), turn on "
+        "actor.gradient_checkpointing or set actor.optimizer_impl=fused"
     )
 
 

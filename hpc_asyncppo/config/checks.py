@@ -16,6 +16,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
     "actor.lr_scheduler": ("constant", "cosine"),
+    "actor.optimizer_impl": ("auto", "foreach", "fused", "for-loop"),
     "rollout.engine": ("hf", "vllm"),
     "actor.loss_agg_mode": (
         "token-mean",

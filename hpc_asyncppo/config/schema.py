@@ -187,6 +187,10 @@ class ActorConfig:
     )
     min_lr_ratio: float = 0.0  # cosine: final learning rate as a fraction of actor.lr
     torch_threads: int = 1  # intra-op threads of each trainer rank
+    # AdamW's implementation (torchtitan's names): auto (torch's choice: foreach on GPUs, a
+    # loop over tensors on CPUs) | foreach (one fp32 copy of the rank's shard during each
+    # step) | fused (one kernel, no such copy) | for-loop (one tensor's copy at a time)
+    optimizer_impl: str = "auto"
     # LoRA (hpc_asyncppo/models/lora.py, verl's names): adapters of this rank on every target
     # module, trained on a frozen base kept in model.dtype; only the adapters are synced and
     # checkpointed, and with use_kl_loss the reference is the base (adapters off). 0: off.

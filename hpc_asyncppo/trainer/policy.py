@@ -12,7 +12,10 @@ What a trainer rank holds, for N parameters:
   of ``actor.log_prob_chunk_tokens`` tokens in fp32, recomputed chunk by chunk in the
   backward;
 - with ``actor.use_kl_loss``, a frozen reference model sharded the same way in
-  ``model.dtype`` (2 N / T bytes for bf16), without gradients or optimizer state.
+  ``model.dtype`` (2 N / T bytes for bf16), without gradients or optimizer state;
+- during the optimizer's step, AdamW's temporaries (``actor.optimizer_impl``): with
+  foreach (torch's choice on GPUs) one fp32 copy of the rank's shard (4 N / T), with a
+  loop one tensor's, fused none.
 
 With LoRA (``actor.lora_rank`` > 0, ``models/lora.py``) the N base parameters are frozen
 in ``model.dtype`` (2 N / T bytes for bf16, no gradients, no optimizer state, no
@@ -90,8 +93,9 @@ class Policy:
         # parameter, or with LoRA the adapters (and value head)
         self.trained = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.trained, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay
-        )
+            self.trained, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay,
+            **OPTIMIZER_IMPL[cfg.actor.optimizer_impl],
+        )  # fmt: skip
         total_updates = (
             cfg.trainer.total_steps * cfg.actor.ppo_epochs * cfg.async_training.require_batches
         )
@@ -349,6 +353,13 @@ def peak_memory_mb(device: torch.device) -> float:
 # --- the PPO update, read top down: ppo_update -> its mini-batches (mini_batch_plans,
 # reference_quantities) -> each one's micro-batches (accumulate_gradients) -> the loss
 # (micro_batch_loss); the small helpers last
+# actor.optimizer_impl as torch.optim.AdamW's arguments (auto: torch decides)
+OPTIMIZER_IMPL: dict[str, dict[str, bool]] = {
+    "auto": {},
+    "foreach": {"foreach": True},
+    "fused": {"fused": True},
+    "for-loop": {"foreach": False},
+}
 MAX_STATS = frozenset({"rollout_corr/is_weight_max"})  # reduced by max, not summed
 
 
