@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -58,6 +59,12 @@ WIDTH = 10
 def throughput(args: argparse.Namespace) -> None:
     print(f"== throughput: {args.steps} steps per run, engine {args.engine}, runs alternated")
     rates: dict[str, list[float]] = {mode: [] for mode in MODES}
+    engine = [f"rollout.engine={args.engine}"]
+    env = dict(os.environ)
+    if args.engine == "vllm":  # offline, no torch.compile, a 1 GiB KV cache, a head size
+        engine.append("model.tiny.num_heads=2")  # vLLM's CPU build takes
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+                   TORCH_COMPILE_DISABLE="1")  # fmt: skip
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
         for repeat in range(args.repeats):
             for mode, overrides in MODES.items():
@@ -65,8 +72,8 @@ def throughput(args: argparse.Namespace) -> None:
                 cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local",
                        "--run-dir", str(run_dir), f"trainer.total_steps={args.steps}",
                        f"trainer.seed={repeat + 1}", "checkpoint.save_every=0",
-                       f"rollout.engine={args.engine}", *TASK, *overrides]  # fmt: skip
-                subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+                       *engine, *TASK, *overrides]  # fmt: skip
+                subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL, env=env)
                 rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
                 last = [r for r in rows if "samples/total" in r][-1]
                 rate = last["samples/total"] / last["time/elapsed_s"]

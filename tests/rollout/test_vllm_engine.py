@@ -188,10 +188,20 @@ def test_after_a_weight_update_log_probs_match_the_new_weights(engine, model_dir
     and greedy responses to fixed prompts are transformers' greedy continuation of the
     same weights, token for token, with log-probs equal to its log_softmax within
     TOLERANCE."""
-    from transformers import AutoModelForCausalLM
 
     policy = Policy(make_cfg(model_dir, 0.7), CPU)
-    engine.load_weights({n: t.clone() for n, t in policy.named_weights()}, version=0)
+    # 1 MiB buckets: a few per sync (many small ones: the no-copy test below)
+    engine.standalone_bucket_mb = 1.0
+    try:
+        engine.load_weights({n: t.clone() for n, t in policy.named_weights()}, version=0)
+        check_updates(engine, policy, model_dir, log_probs_of)
+    finally:
+        engine.standalone_bucket_mb = BUCKET_MB
+
+
+def check_updates(engine, policy, model_dir, log_probs_of) -> None:
+    from transformers import AutoModelForCausalLM
+
     prompts = prompts_for(engine)
     engine.generate(prompts, N)  # fills the prefix cache with KV of the old weights
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
