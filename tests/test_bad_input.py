@@ -28,7 +28,7 @@ launch.json (every file under the test's tmp dir is compared before and after).
 | rollout_lp_with_rollout_is    | use_rollout_log_probs=true + rollout_is=token       | 2 | use_rollout_log_probs, rollout_is=token |
 | tp_above_rollout_gpus         | --cluster slurm, 2 GPUs/node, tensor_parallel 4     | 2 | tensor_parallel_size=4, 1 GPU |
 | rollout_gpu_too_small         | 7B recipe, slurm.rollout.gpu_memory_gb=16           | 2 | rollout, 16 GB, gpu_memory_utilization=0.85, lower it |
-| trainer_gpu_too_small         | 7B recipe, 16 trainer ranks, slurm.train.gpu_memory_gb=16 | 2 | 16 trainer ranks, 19.8 GB, actor.ppo_max_token_len_per_gpu |
+| trainer_gpu_too_small         | 7B recipe, 16 trainer ranks, slurm.train.gpu_memory_gb=16 | 2 | 16 trainer ranks, 38.0 GB, actor.ppo_max_token_len_per_gpu |
 | model_path_missing            | model.path=/no/such/model                           | 2 | model.path, does not exist |
 | model_path_is_a_file          | model.path=<a file>                                 | 2 | model.path, is a file |
 | model_path_no_tokenizer       | model.path=<folder with only config.json>           | 2 | model.path, tokenizer |
@@ -251,7 +251,7 @@ CASES: dict[str, Case] = {
     "trainer_gpu_too_small": Case(
         lambda ws: _run(ws, "--train-ranks", "16", *_qwen_7b(ws), "slurm.train.gpu_memory_gb=16"),
         2,
-        ("16 trainer ranks", "19.8 GB", "actor.ppo_max_token_len_per_gpu"),
+        ("16 trainer ranks", "38.0 GB", "actor.ppo_max_token_len_per_gpu"),
     ),
     "model_path_missing": Case(
         lambda ws: _run(ws, "model.path=/no/such/model"), 2, ("model.path", "does not exist")
