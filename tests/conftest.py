@@ -218,13 +218,17 @@ def log_probs_of() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def xdist_group(item: pytest.Item) -> str | None:
     """The worker group of a test under pytest-xdist: the Slurm tests share one cluster, the
-    vLLM tests (an engine of a few GB each) run one at a time, a module with module
-    fixtures (a trained run, an engine) runs whole on one worker so they are built once;
-    any other test goes wherever a worker is free (None)."""
+    vLLM tests (an engine of a few GB each) run one at a time, the tests that run the
+    sandbox one at a time (each checks that no sandbox process outlives its call, and
+    would see another test's), a module with module fixtures (a trained run, an engine)
+    runs whole on one worker so they are built once; any other test goes wherever a worker
+    is free (None)."""
     if item.get_closest_marker("slurm"):
         return "slurm"
     if "vllm" in item.module.__name__:
         return "vllm"
+    if item.module.__name__.startswith("tests.tools."):
+        return "sandbox"
     fixtures = getattr(item, "_fixtureinfo", None)
     if fixtures is not None and any(
         d.scope in ("module", "class") for defs in fixtures.name2fixturedefs.values() for d in defs

@@ -32,10 +32,12 @@ def sandbox_processes() -> list[int]:
 
 
 def no_process_left() -> None:
+    """No sandbox process is left (the suite runs the sandbox's tests one at a time:
+    ``xdist_group`` in tests/conftest.py), once those being killed have gone."""
     deadline = time.monotonic() + HANG_S
-    while sandbox_processes() and time.monotonic() < deadline:
+    while (left := sandbox_processes()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not sandbox_processes(), "a process of the sandbox outlived its call"
+    assert not left, f"a process of the sandbox outlived its call: {left}"
 
 
 def test_output_exit_code_and_errors_come_back():
