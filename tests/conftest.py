@@ -1,7 +1,8 @@
 r"""Fixtures shared by every test folder: the tiny model, built once per session (and the
 cache that runs copy it from), and the rollout-vs-trainer log-prob comparison every engine
 test makes, and the environment every vLLM test runs vLLM in. Also the helpers several test
-files share: the repository root, a free local port and a process's peak memory. Runs are
+files share: the repository root, a free local port, a process's peak memory and small
+sample groups. Runs are
 started, waited for and audited by tests/harness.py; every job a test left running is
 ended as it ends.
 
@@ -253,3 +254,43 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group(group))
     order = {name: i for i, name in enumerate(LONG_GROUPS)}
     items.sort(key=lambda item: order.get(groups[item.nodeid], len(order)))
+
+
+def make_group(n=3, length=5, prompt=4) -> SampleGroup:
+    """A group of n responses of random tokens (always the same), one sequence each."""
+    rng = np.random.default_rng(0)
+    return SampleGroup(
+        seed=7,
+        epoch=2,
+        prompt_index=1234,
+        rollout_rank=1,
+        param_version_start=5,
+        param_version_end=6,
+        prompt_ids=rng.integers(0, 100, prompt).astype(np.int32),
+        response_ids=rng.integers(0, 100, (n, length)).astype(np.int32),
+        response_lengths=np.array([5, 2, 1][:n], dtype=np.int32),
+        rollout_log_probs=rng.normal(size=(n, length)).astype(np.float32),
+        rewards=np.array([0.0, 0.25, 1.0][:n], dtype=np.float32),
+        rollout_idle_s=1.5,
+        rollout_elapsed_s=10.25,
+    )
+
+
+def branched_group() -> SampleGroup:
+    """make_group's 3 responses, where session 0 went on in two more sequences (rows 3, 4:
+    their own prompts of 2 and 6 tokens) and session 2 in one (row 5)."""
+    import dataclasses
+
+    group = make_group(n=3)
+    rng = np.random.default_rng(1)
+    prompts = np.full((6, 6), -1, dtype=np.int32)
+    for row, size in enumerate([4, 4, 4, 2, 6, 3]):
+        prompts[row, :size] = group.prompt_ids if row < 3 else rng.integers(0, 100, size)
+    return dataclasses.replace(
+        group,
+        response_ids=rng.integers(0, 100, (6, 5)).astype(np.int32),
+        response_lengths=np.array([5, 2, 1, 3, 4, 5], dtype=np.int32),
+        rollout_log_probs=rng.normal(size=(6, 5)).astype(np.float32),
+        row_sessions=np.array([0, 1, 2, 0, 0, 2], dtype=np.int32),
+        row_prompts=prompts,
+    )

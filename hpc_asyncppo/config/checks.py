@@ -125,6 +125,7 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "gateway.agent_timeout_s": (0, True),
     "gateway.claim_wait_s": (0, False),
     "gateway.max_request_mb": (0, True),
+    "gateway.max_sequences": (1, False),
 }
 
 _UPPER_BOUNDS: dict[str, float] = {

@@ -99,6 +99,9 @@ class GatewayConfig:
     )
     claim_wait_s: float = 30.0  # POST /v1/sessions waits this long for a session, then 429
     max_request_mb: float = 8.0  # a request body larger than this gets 413
+    # a session's sequences at most: a call that does not extend its conversation starts
+    # one more (trained as a further sample with the session's reward); past this, 400
+    max_sequences: int = 4
 
 
 @dataclass

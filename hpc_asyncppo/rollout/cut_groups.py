@@ -6,7 +6,8 @@ group keeps its data epoch, its position in the rank's prompts, the version that
 it, and the group so far (``PartialGroup``): prompt tokens, and per response its tokens,
 log-probs and per-token versions so far, whether it finished, with multi-turn the loss
 mask (where the observations lie) and what its tools keep of its trajectories (JSON, as
-bytes). Memory: for each group in flight (at most ``rollout.prompts_per_generate``),
+bytes), and with an agent's session in several sequences each row's session and prompt.
+Memory: for each group in flight (at most ``rollout.prompts_per_generate``),
 ``n x width`` token ids, log-probs and versions (4 bytes each) and a 1-byte loss mask.
 """
 
@@ -52,6 +53,12 @@ def _group_tree(epoch: int, index: int, version_start: int, partial: PartialGrou
         # multi-turn: where the observations lie (absent for single-turn groups), and what
         # the tools keep of its trajectories (JSON, as bytes)
         **({"loss_mask": g.loss_mask} if g.loss_mask is not None else {}),
+        # agents' sessions in several sequences: each row's session and prompt
+        **(
+            {"row_sessions": g.row_sessions, "row_prompts": g.row_prompts}
+            if g.row_sessions is not None
+            else {}
+        ),
         **(
             {"tools": np.frombuffer(encode_state(partial.tools), dtype=np.uint8)}
             if partial.tools is not None
@@ -67,6 +74,8 @@ def _group_of(tree: dict) -> CutGroup:
         tree["log_probs"],
         tree["versions"],
         tree.get("loss_mask"),
+        tree.get("row_sessions"),
+        tree.get("row_prompts"),
     )
     tools = decode_state(tree["tools"].tobytes()) if "tools" in tree else None
     partial = PartialGroup(tree["prompt"].tolist(), sofar, tree["finished"].astype(bool), tools)

@@ -1,6 +1,11 @@
 """What both rollout engines produce and the trainer consumes: ``Generation`` (a prompt's n
 responses, their log-probs and per-token weight versions), ``PartialGroup`` (a group cut
-before its end: what a checkpoint keeps of it), and where a response ends."""
+before its end: what a checkpoint keeps of it), and where a response ends.
+
+An agent's session whose call did not extend its conversation goes on in a new sequence
+(``rollout/gateway/``): a further response of its group, with its own prompt. Such a group
+has more rows than sessions: its first n rows are the sessions' first sequences, each
+later row names its session (``row_sessions``) and carries its prompt (``row_prompts``)."""
 
 from __future__ import annotations
 
@@ -18,13 +23,17 @@ class Generation:
     lengths. ``versions``: the weights version that sampled each token (-1 past the length).
     ``loss_mask`` (n, L) int8, multi-turn only: 0 on observation tokens (a tool's or an
     environment's answer: log-prob 0, version -1, never trained); None when every token
-    is the model's."""
+    is the model's. Agents' groups with several sequences in a session (m rows for n
+    sessions): ``row_sessions`` (m,) the session of each row, ``row_prompts`` (m, P) each
+    row's prompt, -1 past its end; None when row j is session j's only sequence."""
 
     response_ids: np.ndarray
     response_lengths: np.ndarray
     log_probs: np.ndarray
     versions: np.ndarray
     loss_mask: np.ndarray | None = None
+    row_sessions: np.ndarray | None = None
+    row_prompts: np.ndarray | None = None
 
 
 @dataclass
@@ -65,6 +74,10 @@ class Response:
     # the gateway: the model's current turn stops at this many tokens (a call's max_tokens;
     # None: at the room's end); the engines generate up to it, the response then waits
     limit: int | None = None
+    # the gateway: a later sequence of session ``session`` (its call did not extend the
+    # conversation), generated after ``prompt``; None: the group's prompt, its own session
+    prompt: list[int] | None = None
+    session: int | None = None
 
     def observe(self, tokens: list[int]) -> None:
         """Append a tool's or an environment's answer (log-prob 0, version -1)."""
@@ -101,6 +114,10 @@ class ResponseGroup:
     def complete(self) -> bool:
         return all(r.finished for r in self.responses)
 
+    def context(self, r: Response) -> list[int]:
+        """What the engine continues ``r`` from: its prompt and its tokens so far."""
+        return (self.prompt if r.prompt is None else r.prompt) + r.tokens
+
     @classmethod
     def of(cls, partial: PartialGroup, turn_ends: frozenset[int] = frozenset()) -> ResponseGroup:
         """A cut group, to continue from its tokens. ``turn_ends`` (multi-turn: the tokens
@@ -118,6 +135,9 @@ class ResponseGroup:
                 if g.loss_mask is not None
                 else [],
             )
+            if g.row_sessions is not None and int(g.row_sessions[j]) != j:  # a later sequence
+                r.session = int(g.row_sessions[j])
+                r.prompt = [int(t) for t in g.row_prompts[j] if t >= 0]
             last_is_model = not r.observations or r.observations[-1][1] < length
             r.waiting = (
                 not r.finished and length > 0 and r.tokens[-1] in turn_ends and last_is_model
@@ -144,7 +164,15 @@ class ResponseGroup:
             )
             for start, end in r.observations:
                 loss_mask[j, start:end] = 0
-        return Generation(ids, lengths, log_probs, versions, loss_mask)
+        sessions = prompts = None
+        if any(r.session is not None for r in self.responses):
+            sessions = np.array([j if r.session is None else r.session
+                                 for j, r in enumerate(self.responses)], dtype=np.int32)  # fmt: skip
+            rows = [self.prompt if r.prompt is None else r.prompt for r in self.responses]
+            prompts = np.full((n, max(map(len, rows))), -1, dtype=np.int32)
+            for j, prompt in enumerate(rows):
+                prompts[j, : len(prompt)] = prompt
+        return Generation(ids, lengths, log_probs, versions, loss_mask, sessions, prompts)
 
     def partial(self, width: int, pad_id: int) -> PartialGroup:
         """This group cut where it stands (for a checkpoint)."""

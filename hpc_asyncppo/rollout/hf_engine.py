@@ -167,7 +167,7 @@ class HFEngine:
         for key, r in rows:  # one batch per sampling temperature (validation's is its own)
             by_temperature.setdefault(self.groups[key].temperature, []).append((key, r))
         for temperature, batch in by_temperature.items():
-            contexts = [self.groups[key].prompt + r.tokens for key, r in batch]
+            contexts = [self.groups[key].context(r) for key, r in batch]
             ends = [min(width, r.limit or width) for _, r in batch]
             budgets = [end - len(r.tokens) for end, (_, r) in zip(ends, batch, strict=True)]
             new_ids, new_lps = self.sample(contexts, max(budgets), temperature)

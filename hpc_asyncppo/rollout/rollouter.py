@@ -207,6 +207,7 @@ class Rollouter:
             self.engine.tokenizer, self.engine.eos_id, cfg.rollout.response_length,
             cfg.data.max_prompt_length, cfg.gateway.agent_timeout_s,
             runner.start if runner else None, GATHER_S if cfg.rollout.engine == "hf" else 0.0,
+            cfg.gateway.max_sequences,
         )  # fmt: skip
         if runner is not None:
             runner.sessions = sessions
@@ -662,6 +663,8 @@ class Rollouter:
             engine_restart_s=self.weights.restart_s,
             dropped=dropped,
             agent_extra=extra,
+            row_sessions=gen.row_sessions,  # an agent's session in several sequences
+            row_prompts=gen.row_prompts,
             **tools,
         )
 

@@ -317,7 +317,7 @@ class VLLMEngine:
         self._engine_call(
             self.llm.add_request,
             request_id,
-            TokensPrompt(prompt_token_ids=group.prompt + response.tokens),
+            TokensPrompt(prompt_token_ids=group.context(response)),
             params,
         )
         response.request_id = request_id

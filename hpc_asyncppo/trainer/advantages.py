@@ -29,17 +29,24 @@ PER_TOKEN = ("gae", "reinforce_plus_plus")  # computed on every trainer rank, pe
 
 
 def trained_rewards(cfg: Config, group: SampleGroup) -> np.ndarray:
-    """(n,) the rewards trained on: the task's plus the overlong penalty, if enabled."""
+    """(n,) the rewards trained on: the task's plus the overlong penalty, if enabled (an
+    agent's session in several sequences: by the length of its last)."""
     overlong = cfg.reward.overlong_buffer
     if not overlong.enable:
         return group.rewards
     penalty = algos.overlong_penalty(
-        torch.from_numpy(np.asarray(group.response_lengths)),
+        torch.from_numpy(session_lengths(group)),
         cfg.rollout.response_length,
         overlong.len,
         overlong.penalty_factor,
     )
     return (group.rewards + penalty.numpy()).astype(group.rewards.dtype)
+
+
+def session_lengths(group: SampleGroup) -> np.ndarray:
+    """(n,) each response's length; for a session in several sequences, its last's (the
+    one that ran out of room, if any did)."""
+    return np.asarray(group.response_lengths)[group.last_rows()]
 
 
 def has_signal(cfg: Config, group: SampleGroup) -> bool:
@@ -63,7 +70,9 @@ def group_advantages(cfg: Config, groups: list[SampleGroup], rewards: np.ndarray
     if estimator == "rloo":
         return algos.rloo_advantages(scores).numpy()
     if estimator == "reinforce_plus_plus_baseline":
-        lengths = torch.from_numpy(np.stack([g.response_lengths for g in groups]))
+        # the tokens each response's advantage goes to: all of a session's sequences'
+        tokens = [np.bincount(g.sessions(), g.response_lengths, g.n) for g in groups]
+        lengths = torch.from_numpy(np.stack(tokens).astype(np.int64))
         return algos.reinforce_pp_baseline_advantages(scores, lengths).numpy()
     norm = estimator == "grpo" and cfg.algorithm.norm_adv_by_std_in_grpo
     return algos.grpo_advantages(scores, norm_by_std=norm).numpy()

@@ -15,48 +15,64 @@ def collate(
     advantages: np.ndarray,
     pad_id: int,
     rewards: np.ndarray | None = None,
+    multiple: int = 1,
 ) -> dict[str, np.ndarray]:
-    """Flatten groups into B = G * n rows. advantages: (G, n) one scalar per response;
-    rewards: (G, n) the rewards to train on (e.g. with the overlong penalty), None: the
-    groups' own.
+    """Flatten groups into B rows: one per response, G * n (an agent's session in several
+    sequences has a row for each, every one with its session's reward and advantage).
+    advantages: (G, n) one scalar per response; rewards: (G, n) the rewards to train on
+    (e.g. with the overlong penalty), None: the groups' own. ``multiple``: B is padded up
+    to a multiple of it with empty rows (a copy of the last row that trains nothing:
+    response_mask 0, reward and advantage 0), so that it splits into the trainer ranks'
+    equal shards; needed only where some session has several sequences.
 
     Returns prompt_ids/prompt_mask (B, P) left-padded, response_ids/response_mask (B, L),
     rollout_log_probs (B, L), rewards (B,), advantages (B,). With multi-turn groups (a
-    ``loss_mask``), ``response_mask`` is 0 on observation tokens too (holes: every loss,
-    estimator and statistic skips them) and ``response_attention`` (B, L) marks every
-    token of the response, observations included, for the model's attention.
+    ``loss_mask``) or empty rows, ``response_mask`` is 0 on observation tokens (and empty
+    rows) too (holes: every loss, estimator and statistic skips them) and
+    ``response_attention`` (B, L) marks every token of the response, observations
+    included, for the model's attention.
     """
-    width = max(g.prompt_ids.shape[0] for g in groups)
-    rows = sum(g.n for g in groups)
+    rewards = np.stack([g.rewards for g in groups]) if rewards is None else rewards
+    sessions = [g.sessions() for g in groups]  # each row's response in its group
+    prompts = [g.row_prompt(r) for g in groups for r in range(g.rows)]
+    width = max(p.shape[0] for p in prompts)
+    real = len(prompts)
+    rows = -(-real // multiple) * multiple
+    last = [real - 1] * (rows - real)  # empty rows: copies of the last
     length = groups[0].response_ids.shape[1]
     prompt_ids = np.full((rows, width), pad_id, dtype=np.int32)
     prompt_mask = np.zeros((rows, width), dtype=np.int8)
-    row = 0
-    for g in groups:
-        p = g.prompt_ids.shape[0]
-        prompt_ids[row : row + g.n, width - p :] = g.prompt_ids
-        prompt_mask[row : row + g.n, width - p :] = 1
-        row += g.n
-    lengths = np.concatenate([g.response_lengths for g in groups])
+    for row, p in enumerate(prompts + [prompts[-1]] * len(last)):
+        prompt_ids[row, width - p.shape[0] :] = p
+        prompt_mask[row, width - p.shape[0] :] = 1
+
+    def rows_of(arrays: list[np.ndarray]) -> np.ndarray:
+        flat = np.concatenate(arrays)
+        return np.concatenate([flat, flat[last]]) if last else flat
+
+    lengths = rows_of([g.response_lengths for g in groups])
     response_mask = (np.arange(length)[None, :] < lengths[:, None]).astype(np.int8)
+    trained = np.ones(rows, dtype=np.float32)
+    trained[real:] = 0
     holes = {}
-    if any(g.loss_mask is not None for g in groups):
-        trained = np.concatenate(
-            [g.loss_mask if g.loss_mask is not None else np.ones((g.n, length)) for g in groups]
+    if last or any(g.loss_mask is not None for g in groups):
+        loss_mask = rows_of(
+            [g.loss_mask if g.loss_mask is not None else np.ones((g.rows, length)) for g in groups]
         ).astype(np.int8)
-        holes = {"response_attention": response_mask, "response_mask": response_mask * trained}
+        loss_mask[real:] = 0
+        holes = {"response_attention": response_mask, "response_mask": response_mask * loss_mask}
+    per_row = {
+        name: rows_of([v[i][sessions[i]] for i in range(len(groups))]) * trained
+        for name, v in (("rewards", rewards), ("advantages", advantages))
+    }
     return {
         "prompt_ids": prompt_ids,
         "prompt_mask": prompt_mask,
-        "response_ids": np.concatenate([g.response_ids for g in groups]),
+        "response_ids": rows_of([g.response_ids for g in groups]),
         "response_mask": response_mask,
-        "rollout_log_probs": np.concatenate([g.rollout_log_probs for g in groups]),
-        "rewards": (
-            np.concatenate([g.rewards for g in groups])
-            if rewards is None
-            else rewards.reshape(-1).astype(np.float32)
-        ),
-        "advantages": advantages.reshape(-1).astype(np.float32),
+        "rollout_log_probs": rows_of([g.rollout_log_probs for g in groups]),
+        "rewards": per_row["rewards"].astype(np.float32),
+        "advantages": per_row["advantages"].astype(np.float32),
         **holes,
     }
 

@@ -52,14 +52,16 @@ class StepLog:
     def dropped(self, group: SampleGroup, reason: str) -> None:
         """A group dropped while the next step's batch was gathered, recorded under that
         step: a resume from the checkpoint of the step before drops (and records) it once."""
-        self.progress.samples_dropped += group.n
-        self.progress.samples_filtered += group.n if reason == "filtered" else 0
+        self.progress.samples_dropped += group.rows
+        self.progress.samples_filtered += group.rows if reason == "filtered" else 0
         step = self.progress.step + 1
         self.dropped_log.write(
-            [self.sample_row(group, j, step, reason=reason) for j in range(group.n)]
+            [self.sample_row(group, j, step, reason=reason) for j in range(group.rows)]
         )
 
     def sample_row(self, group: SampleGroup, j: int, step: int, **extra: object) -> dict:
+        """The record of row ``j`` (a response; an agent's session in several sequences:
+        one of them, with its session's reward)."""
         if group.loss_mask is not None:  # multi-turn: the response's tokens not trained on
             length = int(group.response_lengths[j])
             extra["observation_tokens"] = length - int(group.loss_mask[j, :length].sum())
@@ -69,7 +71,7 @@ class StepLog:
             "param_version_start": group.param_version_start,
             "param_version_end": group.param_version_end,
             "staleness": staleness_of(group, self.progress.version),
-            "reward": float(group.rewards[j]),
+            "reward": float(group.rewards[group.sessions()[j]]),
             "rollout_rank": group.rollout_rank,
             **extra,
         }
@@ -81,7 +83,7 @@ class StepLog:
         update's ``stats`` and the ``leader``'s own numbers (queue, sync, memory).
         ``rewards``: (G, n) what was trained on (the task's reward is in each group)."""
         progress = self.progress
-        rows = [self.sample_row(g, j, progress.step) for g in batch.groups for j in range(g.n)]
+        rows = [self.sample_row(g, j, progress.step) for g in batch.groups for j in range(g.rows)]
         self.trained_log.write(rows)
         progress.samples_trained += len(rows)
         elapsed = progress.elapsed_s()
@@ -137,7 +139,7 @@ class StepLog:
             return {}
         turns, observed = [], []
         for g in batch.groups:
-            for j in range(g.n):
+            for j in range(g.rows):
                 length = int(g.response_lengths[j])
                 mask = g.loss_mask[j, :length] if g.loss_mask is not None else np.ones(length)
                 turns.append(

@@ -186,9 +186,10 @@ class TrainerLeader:
         heartbeat.doing(f"training step {self.step + 1} (with the other trainer ranks)")
         groups = batch.groups
         rewards = np.stack([advantages.trained_rewards(self.cfg, g) for g in groups])
+        minis = self.cfg.async_training.require_batches
         data = collate(groups, advantages.group_advantages(self.cfg, groups, rewards),
-                       self.pad_id, rewards)  # fmt: skip
-        shards = shard_rows(data, self.topo.train_ranks, self.cfg.async_training.require_batches)
+                       self.pad_id, rewards, multiple=minis * self.topo.train_ranks)  # fmt: skip
+        shards = shard_rows(data, self.topo.train_ranks, minis)
         self.followers.train(shards[1:], self.step + 1)
         stats = ppo_update(self.policy, to_tensors(shards[0], self.topo.device))
         if stats is None:

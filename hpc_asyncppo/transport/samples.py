@@ -51,6 +51,12 @@ class SampleGroup:
 
     Shapes: prompt_ids (P,), response_ids (n, L) right-padded, response_lengths (n,),
     rollout_log_probs (n, L) (0 past each length), rewards (n,).
+
+    An agent's session may hold several sequences (a call that did not extend its
+    conversation started a new one, ``rollout/gateway/``): then the group has m > n rows
+    (response_ids (m, L), and every per-row array), rewards stay one per session (n,),
+    ``row_sessions`` (m,) names each row's session and ``row_prompts`` (m, P') holds
+    each row's prompt (-1 past its end). Rows 0..n-1 are the sessions' first sequences.
     """
 
     seed: int
@@ -88,15 +94,48 @@ class SampleGroup:
     # data.agent: the numbers its agents returned beside the reward, each name's mean over
     # the group's sessions (rollout/gateway/sessions.py), logged as agent/NAME
     agent_extra: dict[str, float] = field(default_factory=dict)
+    # agents' sessions in several sequences (see above); None: row j is session j
+    row_sessions: np.ndarray | None = None
+    row_prompts: np.ndarray | None = None
     meta: dict = field(default_factory=dict)
 
     @property
     def n(self) -> int:
+        """Responses (sessions): one reward each."""
         return int(self.rewards.shape[0])
 
-    def uid(self, response: int) -> str:
-        """Unique across a run: seed, data epoch, prompt index, response index."""
-        return f"s{self.seed}-e{self.epoch}-p{self.prompt_index}-r{response}"
+    @property
+    def rows(self) -> int:
+        """Sequences trained: n, or more where a session has several."""
+        return int(self.response_ids.shape[0])
+
+    def sessions(self) -> np.ndarray:
+        """(rows,) the response (session) each row belongs to."""
+        if self.row_sessions is None:
+            return np.arange(self.n)
+        return np.asarray(self.row_sessions, dtype=np.int64)
+
+    def last_rows(self) -> np.ndarray:
+        """(n,) each session's last sequence: where its reward was earned."""
+        last = np.zeros(self.n, dtype=np.int64)
+        last[self.sessions()] = np.arange(self.rows)  # later rows overwrite earlier ones
+        return last
+
+    def row_prompt(self, row: int) -> np.ndarray:
+        if self.row_prompts is None:
+            return self.prompt_ids
+        prompt = self.row_prompts[row]
+        return prompt[prompt >= 0]
+
+    def uid(self, row: int) -> str:
+        """Unique across a run: seed, data epoch, prompt index, response index; a session's
+        later sequences add their number (``-r{j}.s{k}``, k from 1)."""
+        base = f"s{self.seed}-e{self.epoch}-p{self.prompt_index}-r"
+        if row < self.n:
+            return f"{base}{row}"
+        session = int(self.row_sessions[row])
+        k = int(np.sum(self.row_sessions[:row] == session))
+        return f"{base}{session}.s{k}"
 
 
 _SCALARS = (
@@ -150,6 +189,9 @@ def encode_group(group: SampleGroup) -> np.ndarray:
     arrays = {name: np.asarray(getattr(group, name), dtype=dt) for name, dt in _ARRAYS.items()}
     if group.loss_mask is not None:  # absent for single-turn groups: their bytes unchanged
         arrays["loss_mask"] = np.asarray(group.loss_mask, dtype=np.int8)
+    if group.row_sessions is not None:  # absent unless a session has several sequences
+        arrays["row_sessions"] = np.asarray(group.row_sessions, dtype=np.int32)
+        arrays["row_prompts"] = np.asarray(group.row_prompts, dtype=np.int32)
     meta = {
         name: getattr(group, name)
         for name in _SCALARS
@@ -163,7 +205,11 @@ def decode_group(buf: np.ndarray) -> SampleGroup:
     scalars = {k: meta[k] if k in meta else _SINCE[k] for k in _SCALARS}
     scalars["agent_extra"] = {str(k): float(v) for k, v in scalars["agent_extra"].items()}
     return SampleGroup(
-        **scalars, **{k: arrays[k] for k in _ARRAYS}, loss_mask=arrays.get("loss_mask")
+        **scalars,
+        **{k: arrays[k] for k in _ARRAYS},
+        loss_mask=arrays.get("loss_mask"),
+        row_sessions=arrays.get("row_sessions"),
+        row_prompts=arrays.get("row_prompts"),
     )
 
 

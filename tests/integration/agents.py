@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+from examples.lookup_agent import LOOKUP
 from examples.lookup_agent import run as lookup
 from hpc_asyncppo.runtime.faults import RUN_DIR_ENV
 
@@ -34,7 +35,8 @@ class _Slow:
 def slow_and_failing(client, row):
     """The example lookup agent, a little slow, and failing on every prompt whose index is
     3 mod 7 in its own way: it raises (3), returns no number (10), or ends its session
-    without a call (17, ...)."""
+    without a call (17, ...); on a training prompt whose index is 1 mod 5 it starts over
+    once (``_starting_over``)."""
     if row.index % 7 == 3:
         kind = (row.index // 7) % 3
         if kind == 0:
@@ -42,7 +44,21 @@ def slow_and_failing(client, row):
         if kind == 1:
             return {"reward": "garbage"}
         return 1.0
-    return lookup(_Slow(client), row)
+    return _starting_over(_Slow(client), row)
+
+
+def starts_over(row) -> bool:
+    return row.index % 5 == 1 and not row.session_id.startswith("val-")
+
+
+def _starting_over(client, row):
+    """The lookup agent, which on prompts that ``starts_over`` first makes a call whose
+    answer it throws away, then runs from the prompt again: a call that does not extend
+    the conversation, so every such session is two sequences."""
+    if starts_over(row):
+        client.chat.completions.create(model="policy", messages=list(row.messages),
+                                       tools=[LOOKUP])  # fmt: skip
+    return lookup(client, row)
 
 
 class _Gate(_Slow):
@@ -88,4 +104,4 @@ def gated_slow_and_failing(client, row):
     a validation's waiting would hold the next sync)."""
     if row.index % 7 == 3 or row.session_id.startswith("val-"):
         return slow_and_failing(client, row)
-    return lookup(_Gate(client, row.session_id), row)
+    return _starting_over(_Gate(client, row.session_id), row)

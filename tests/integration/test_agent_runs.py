@@ -75,7 +75,21 @@ def test_agent_sessions_stopped_in_flight_resume_on_other_rank_counts_trained_on
     # every prompt's n sessions were trained once, or dropped once with its agent's failure
     uids = [r["uid"] for r in trained] + [r["uid"] for r in dropped]
     assert len(uids) == len(set(uids))
-    assert len(trained) == steps * 4 * 8
+    firsts = {r["uid"]: r for r in trained if ".s" not in r["uid"]}
+    assert len(firsts) == steps * 4 * 8
+    # the agents that start over: each of their sessions trained as two sequences, the
+    # second with its session's reward, in the same step
+    later = [r for r in trained if ".s" in r["uid"]]
+    starting_over = {
+        u.rsplit("-r", 1)[0] for u in firsts if int(u.split("-p")[1].split("-")[0]) % 5 == 1
+    }
+    assert starting_over, "no prompt that starts over was trained"
+    assert sorted(r["uid"] for r in later) == sorted(
+        f"{p}-r{j}.s1" for p in starting_over for j in range(8)
+    )
+    for r in later:
+        first = firsts[r["uid"].split(".s")[0]]
+        assert (r["reward"], r["step"]) == (first["reward"], first["step"]), (first, r)
     failures = {r["uid"].rsplit("-r", 1)[0]: r["reason"] for r in dropped if r["reason"] != "stale"}
     assert failures, "no failing agent's group was dropped"
     for prefix, reason in failures.items():

@@ -308,14 +308,14 @@ def test_bad_requests_get_openai_errors_and_change_nothing(served):
     r = post(served, "/sessions/nobody/v1/chat/completions", {"model": "tiny", "messages": user})
     assert r.status_code == 404
     assert key not in served["engine"].groups  # no bad call reached the engine
-    # a good call, then one that rewrites the history: refused, the session goes on
+    # a good call, then one that would start a new sequence with a prompt too long:
+    # refused, the session goes on in its sequence
     good = post(served, path, {"model": "tiny", "messages": user, "tools": [LOOKUP]})
     assert good.status_code == 200
     message = good.json()["choices"][0]["message"]
-    rewritten = [{"role": "user", "content": prompt.text + " 5"}, message,
-                 {"role": "tool", "content": "1"}]  # fmt: skip
+    rewritten = [{"role": "user", "content": "= " * 40}, message, {"role": "tool", "content": "1"}]
     r = post(served, path, {"model": "tiny", "messages": rewritten, "tools": [LOOKUP]})
-    assert r.status_code == 400 and "does not extend" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "data.max_prompt_length" in r.json()["error"]["message"]
     later = [*user, message, {"role": "tool", "content": "1"}]
     r = post(served, path, {"model": "tiny", "messages": later, "tools": [LOOKUP]})
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
@@ -323,6 +323,110 @@ def test_bad_requests_get_openai_errors_and_change_nothing(served):
     gen, rewards, dropped, *_ = served["loop"].result(key)
     length = int(gen.response_lengths[0])  # the call (2 tokens), then EOS: the model's
     assert dropped == "" and gen.loss_mask[0, :length].tolist() == [1, 1, 0, 0, 0, 1]
+
+
+def test_a_call_that_does_not_extend_goes_on_in_a_new_sequence_trained_with_the_sessions_reward(
+    served,
+):
+    """Session a calls the tool, then rewrites its history (a shorter question): its call
+    is a new sequence, its prompt that conversation rendered whole, and the session goes
+    on there (the tool's answer, the model's last turn). The group comes back with a row
+    per sequence: each is the template's tokens of its own final conversation, with the
+    session's reward. Past gateway.max_sequences such a call gets 400 and nothing
+    changes. Cut in its second sequence and resumed, a re-run agent gets both sequences'
+    turns from the recording (v3 while the engine is at v4)."""
+    from hpc_asyncppo.rollout.cut_groups import CutGroups
+    from hpc_asyncppo.transport.samples import SampleGroup, decode_group, encode_group
+
+    engine, sessions, loop = served["engine"], served["sessions"], served["loop"]
+    prompt = served["task"].prompts()[5]
+    first = engine.tokenizer.decode(engine.encode(prompt.text), skip_special_tokens=True)
+    short = "question ="
+
+    def run_a(sid: str) -> tuple[list, list, list]:
+        """Agent a: the call, then the rewritten history, the tool's answer, the end."""
+        c = client(served, sid)
+        one = [{"role": "user", "content": first}]
+        answer = c.chat.completions.create(model="tiny", messages=one, tools=[LOOKUP])
+        call = answer.choices[0].message.model_dump(exclude_none=True)
+        two = [{"role": "user", "content": short}]  # the history summarised
+        branched = c.chat.completions.create(model="tiny", messages=two, tools=[LOOKUP])
+        assert branched.choices[0].finish_reason == "tool_calls"
+        assert branched.model_extra["prompt_token_ids"] == engine.encode(short)
+        message = branched.choices[0].message.model_dump(exclude_none=True)
+        two += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"],
+                          "content": "1"}]  # fmt: skip
+        last = c.chat.completions.create(model="tiny", messages=two, tools=[LOOKUP])
+        assert last.choices[0].finish_reason == "stop"
+        return [answer, branched, last], one + [call], two
+
+    key = ("branch", 5)
+    a, b = loop.open(key, 2, prompt)
+    sessions.max_sequences = 2
+    try:
+        answers, one, two = run_a(a)
+        # a third sequence: refused, and a's second goes on
+        r = post(served, f"/sessions/{a}/v1/chat/completions",
+                 {"model": "tiny", "messages": one, "tools": [LOOKUP]})  # fmt: skip
+        assert r.status_code == 400 and "gateway.max_sequences=2" in r.json()["error"]["message"]
+    finally:
+        sessions.max_sequences = 4
+    client(served, b).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": first}], tools=[LOOKUP])  # fmt: skip
+    sessions.end(a, 1.0).result(timeout=HANG_S)
+    sessions.end(b, 0.0).result(timeout=HANG_S)
+    gen, rewards, dropped, prompt_ids, _ = loop.result(key)
+    assert dropped == "" and rewards == [1.0, 0.0]
+    assert gen.row_sessions.tolist() == [0, 1, 0]
+    eos, call = engine.eos_id, engine.encode(" ".join(CALL))
+    for row in (0, 1):  # the first sequences: the group's prompt, the call
+        assert [int(t) for t in gen.row_prompts[row] if t >= 0] == list(prompt_ids)
+        assert gen.response_ids[row, : gen.response_lengths[row]].tolist() == call
+    # a's second: its own prompt, the call, the tool's answer (a hole), EOS
+    second = [two[0], {"role": "assistant", "content": " ".join(CALL)},
+              {"role": "tool", "content": "1"}, {"role": "assistant", "content": ""}]  # fmt: skip
+    own = [int(t) for t in gen.row_prompts[2] if t >= 0]
+    assert own == engine.encode(short) == answers[1].model_extra["prompt_token_ids"]
+    check_trained(served, gen, own, 2, second, call + [eos])
+    # the trainer's view: one reward per session, a uid per sequence, the same on the wire
+    group = decode_group(encode_group(SampleGroup(
+        seed=1, epoch=0, prompt_index=prompt.index, rollout_rank=0, param_version_start=3,
+        param_version_end=3, prompt_ids=np.asarray(prompt_ids, np.int32),
+        response_ids=gen.response_ids, response_lengths=gen.response_lengths,
+        rollout_log_probs=gen.log_probs, rewards=np.asarray(rewards, np.float32),
+        loss_mask=gen.loss_mask, row_sessions=gen.row_sessions, row_prompts=gen.row_prompts,
+    )))  # fmt: skip
+    uid = f"s1-e0-p{prompt.index}-r"
+    assert [group.uid(r) for r in range(group.rows)] == [f"{uid}0", f"{uid}1", f"{uid}0.s1"]
+    assert group.n == 2 and group.last_rows().tolist() == [2, 1]
+    assert group.row_prompt(2).tolist() == engine.encode(short)
+
+    # cut in a's second sequence (its tool's answer not yet sent), through a checkpoint's
+    # arrays, resumed: a's calls are answered from the recording, both sequences
+    key = ("branch-before", 5)
+    a, b = loop.open(key, 2, prompt)
+    c = client(served, a)
+    c.chat.completions.create(model="tiny", messages=one[:1], tools=[LOOKUP])
+    c.chat.completions.create(model="tiny", messages=two[:1], tools=[LOOKUP])
+    cut = CutGroups([(0, 5, 3, loop.cut(key))])
+    again = CutGroups()
+    again.load_state_dict(cut.state_dict())
+    recorded = again.groups[0][3]
+    assert recorded.sofar.row_sessions.tolist() == [0, 1, 0]
+    replayed, discarded = sessions.replayed_calls, sessions.discarded_tokens
+    try:
+        engine.version = 4
+        loop.open(("branch-resumed", 5), 2, prompt, recorded)
+        answers, _, _ = run_a(a)
+        versions = [x.choices[0].model_extra["token_versions"] for x in answers]
+        assert versions == [[3, 3], [3, 3], [4]]  # two turns replayed, the third generated
+        assert sessions.replayed_calls == replayed + 2 and sessions.discarded_tokens == discarded
+        sessions.end(a, 1.0).result(timeout=HANG_S)
+        sessions.end(b, {"error": "not run"}).result(timeout=HANG_S)
+        gen, *_ = loop.result(("branch-resumed", 5))
+        assert gen.row_sessions.tolist() == [0, 1, 0]
+    finally:
+        engine.version = 3
 
 
 def test_a_session_whose_first_prompt_differs_from_its_groups_fails_and_drops_the_group(served):

@@ -244,6 +244,39 @@ def one_rank_policy(model_dir: Path, **sections: dict) -> Policy:
     return Policy(make_cfg(model_dir, **sections), CPU)
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_the_empty_rows_that_pad_a_batch_of_several_sequence_sessions_change_nothing(
+    tiny_model_dir, mode
+):
+    """Groups where agents' sessions went on in further sequences have a row count that
+    need not split over the trainer ranks: ``collate`` pads it with empty rows. The loss
+    and gradients are those of the real rows alone."""
+    import dataclasses
+
+    from hpc_asyncppo.trainer.batch import collate
+    from tests.conftest import branched_group, make_group
+
+    def in_vocab(g):  # the tiny model's words (ids 4..14, as random_batch's)
+        prompts = None if g.row_prompts is None else np.where(g.row_prompts >= 0,
+                                                                4 + g.row_prompts % 11, -1)  # fmt: skip
+        return dataclasses.replace(g, prompt_ids=4 + g.prompt_ids % 11, row_prompts=prompts,
+                                   response_ids=4 + g.response_ids % 11)  # fmt: skip
+
+    groups = [in_vocab(branched_group()), in_vocab(make_group())]
+    advantages = np.array([[1.0, -0.5, 0.25], [-1.0, 0.5, 2.0]])
+    grads, losses = [], []
+    for multiple in (1, 4):  # 9 rows, or 12 with 3 empty ones
+        batch = to_tensors(collate(groups, advantages, pad_id=0, multiple=multiple), CPU)
+        policy = one_rank_policy(tiny_model_dir, actor={"loss_agg_mode": mode})
+        plans = mini_batch_plans(policy, batch)
+        merged = {**batch, **reference_quantities(policy, batch, plans)}
+        losses.append(float(accumulate_gradients(policy, merged, plans[0])["actor/pg_loss"]))
+        grads.append(full_gradients(policy))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5) and losses[0] != 0
+    for name, grad in grads[0].items():
+        np.testing.assert_allclose(grads[1][name], grad, rtol=1e-4, atol=1e-7, err_msg=name)
+
+
 def test_positive_advantage_raises_the_log_prob_of_its_tokens(tiny_model_dir):
     batch = to_tensors(make_batch(rows=4), CPU)
     batch["advantages"] = torch.tensor([1.0, 1.0, -1.0, -1.0])

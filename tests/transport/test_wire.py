@@ -2,26 +2,8 @@ import numpy as np
 import pytest
 
 from hpc_asyncppo.transport.arrays import WireError, pack_arrays, unpack_arrays
-from hpc_asyncppo.transport.samples import SampleGroup, decode_group, encode_group
-
-
-def make_group(n=3, length=5, prompt=4) -> SampleGroup:
-    rng = np.random.default_rng(0)
-    return SampleGroup(
-        seed=7,
-        epoch=2,
-        prompt_index=1234,
-        rollout_rank=1,
-        param_version_start=5,
-        param_version_end=6,
-        prompt_ids=rng.integers(0, 100, prompt).astype(np.int32),
-        response_ids=rng.integers(0, 100, (n, length)).astype(np.int32),
-        response_lengths=np.array([5, 2, 1][:n], dtype=np.int32),
-        rollout_log_probs=rng.normal(size=(n, length)).astype(np.float32),
-        rewards=np.array([0.0, 0.25, 1.0][:n], dtype=np.float32),
-        rollout_idle_s=1.5,
-        rollout_elapsed_s=10.25,
-    )
+from hpc_asyncppo.transport.samples import decode_group, encode_group
+from tests.conftest import branched_group, make_group
 
 
 def test_group_round_trip_is_exact():
@@ -64,6 +46,38 @@ def test_a_multi_turn_groups_loss_mask_travels_and_single_turn_bytes_do_not_chan
     expected[0, 1:3] = 0
     np.testing.assert_array_equal(batch["response_mask"], expected)
     assert "response_attention" not in collate([plain], np.zeros((1, 3)), pad_id=0)
+
+
+def test_a_session_in_several_sequences_trains_each_with_its_sessions_reward_and_advantage():
+    from hpc_asyncppo.trainer.batch import collate
+
+    group = branched_group()
+    back = decode_group(encode_group(group))
+    np.testing.assert_array_equal(back.row_sessions, group.row_sessions)
+    np.testing.assert_array_equal(back.row_prompts, group.row_prompts)
+    assert decode_group(encode_group(make_group())).row_sessions is None
+    assert back.n == 3 and back.rows == 6 and back.last_rows().tolist() == [4, 1, 5]
+    assert [back.uid(r) for r in range(6)] == [
+        "s7-e2-p1234-r0", "s7-e2-p1234-r1", "s7-e2-p1234-r2",
+        "s7-e2-p1234-r0.s1", "s7-e2-p1234-r0.s2", "s7-e2-p1234-r2.s1",
+    ]  # fmt: skip
+    advantages = np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    rewards = np.array([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]])
+    # 6 + 3 rows, padded to 12 (a multiple of 4) with 3 empty rows
+    batch = collate([back, make_group()], advantages, pad_id=0, rewards=rewards, multiple=4)
+    assert batch["advantages"].tolist() == [1, 2, 3, 1, 1, 3, 4, 5, 6, 0, 0, 0]
+    np.testing.assert_allclose(batch["rewards"], [0.1, 0.2, 0.3, 0.1, 0.1, 0.3, 0.4, 0.5,
+                                                   0.6, 0, 0, 0])  # fmt: skip
+    # each row its own prompt, left-padded to the longest (6)
+    sizes = [4, 4, 4, 2, 6, 3, 4, 4, 4, 4, 4, 4]
+    assert batch["prompt_mask"].sum(axis=1).tolist() == sizes
+    assert batch["prompt_ids"][4].tolist() == group.row_prompts[4].tolist()
+    assert batch["prompt_ids"][3, 4:].tolist() == group.row_prompts[3, :2].tolist()
+    # the empty rows train nothing and are attended as a real row (no all-masked softmax)
+    assert batch["response_mask"][9:].sum() == 0
+    assert batch["response_mask"][:9].sum(axis=1).tolist() == [5, 2, 1, 3, 4, 5, 5, 2, 1]
+    assert batch["response_attention"][9:].sum(axis=1).tolist() == [1, 1, 1]
+    assert "response_attention" not in collate([back], advantages[:1], pad_id=0)
 
 
 def test_uids_are_unique_per_response_and_deterministic():

@@ -15,8 +15,9 @@ Where the model wrote a tool call (hermes, ``<tool_call>{json}</tool_call>``, wh
 model's turn ends at), the answer carries it as OpenAI ``tool_calls`` with ids the
 session makes (``call_{session}_{turn}_{k}``): the same in every run of a deterministic
 agent. A call that does not extend (history rewritten, summarised, branched, other
-tools, an assistant message the model did not write) is refused: a session is one
-sequence (``README.md``, "Bring your own agent").
+tools, an assistant message the model did not write) raises ``NotExtending``: the
+session goes on in a new sequence, its conversation rendered whole again
+(``sessions.py``; ``README.md``, "Bring your own agent").
 
 Plain completions (``/v1/completions``) follow the same rule on text: a later prompt
 must start with the previous prompt and completion; the text after them is the
@@ -49,6 +50,10 @@ class RequestError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.status}}  # fmt: skip
+
+
+class NotExtending(RequestError):
+    """A call whose messages do not extend the session's conversation: a new sequence."""
 
 
 def _text(content: Any, where: str) -> str:
@@ -176,17 +181,17 @@ class Conversation:
         if self.text is not None:
             raise RequestError(400, f"session {self.session} is a completions session")
         if (tools or None) != (self.tools or None):
-            raise RequestError(400, self._not_extending("its tools differ from the first call's"))
+            raise NotExtending(400, self._not_extending("its tools differ from the first call's"))
         if messages[:known] != self.messages:
             pairs = zip(messages, self.messages, strict=False)
             at = next((i for i, (a, b) in enumerate(pairs) if a != b), len(messages))
             why = f"message {at} differs from the one the session holds"
-            raise RequestError(400, self._not_extending(why))
+            raise NotExtending(400, self._not_extending(why))
         appended = messages[known:]
         if not appended:
-            raise RequestError(400, self._not_extending("no new message after the model's turn"))
+            raise NotExtending(400, self._not_extending("no new message after the model's turn"))
         if any(m["role"] not in OBSERVED_ROLES for m in appended):
-            raise RequestError(400, self._not_extending("an assistant message the model did "
+            raise NotExtending(400, self._not_extending("an assistant message the model did "
                                                         "not write"))  # fmt: skip
         self.messages = list(messages)
         return messages_after_turn(self.tokenizer, for_template(appended), after_eos)
@@ -199,7 +204,7 @@ class Conversation:
         if self.text is None:
             raise RequestError(400, f"session {self.session} is a chat session")
         if not prompt.startswith(self.text):
-            raise RequestError(
+            raise NotExtending(
                 400,
                 self._not_extending(
                     "the prompt does not start with the previous prompt and completion"
@@ -209,11 +214,7 @@ class Conversation:
         return list(self.tokenizer(appended, add_special_tokens=False)["input_ids"])
 
     def _not_extending(self, why: str) -> str:
-        return (
-            f"this call does not extend session {self.session}'s conversation ({why}): a "
-            "session is one sequence; repeat every earlier message and the model's answers "
-            "as returned, then add tool or user messages"
-        )
+        return f"this call does not extend session {self.session}'s conversation ({why})"
 
     # --- the model's turn out -----------------------------------------------------------------
     def answer(self, tokens: list[int], cut: bool, room_left: bool) -> Answer:

@@ -11,6 +11,15 @@ turn. The agent's next call appends tool or user messages: their tokens are an
 observation (loss mask 0) and the response runs again. The agent ends its session with
 a reward; once all n have ended, the engine returns the group and the rank sends it.
 
+A call that does not extend the conversation (its history rewritten, summarised or
+branched: ``chat.py``) does not end the session: the session goes on in a new sequence,
+the call's messages rendered whole as its prompt, generated as a further response of
+the group (``Response.prompt``) with its own ``rollout.response_length`` of room. The
+sequence before it ends where it stands. Each sequence is trained as a sample with its
+session's reward; the group's advantages are taken over its n sessions (one reward each)
+and every sequence of a session gets its session's (``trainer/batch.py``). A session
+starts at most ``gateway.max_sequences``.
+
 Calls come from the HTTP server's thread (``post``, ``end``: thread-safe, each answered
 through a ``Future``); everything that touches the engine happens on the rank's loop, in
 ``advance``, between two engine steps, so neither engine is ever entered from another
@@ -28,16 +37,20 @@ are the session's *recording*: a re-run agent's call that renders what the recor
 holds at that point (the same prompt, then the same observation tokens) is answered
 with the recorded turn (its tokens, log-probs and versions), not generated again, until
 the first call that differs; from there the engine generates, and the recording's rest
-is thrown away (``tokens_regenerated`` counts it). A deterministic agent thus resumes
-where it stopped. A checkpoint without a stop keeps the sessions going.
+is thrown away (``tokens_regenerated`` counts it). A session cut in a later sequence is
+recorded with all of them: a re-run call that starts a new sequence with the prompt the
+next recorded one had goes on replaying it. A deterministic agent thus resumes where it
+stopped. A checkpoint without a stop keeps the sessions going.
 
 Memory: per session in flight, its conversation (the messages, ``chat.py``) and a few
-numbers; the tokens are the engine's, and a resumed session's recording until it is
-replayed or thrown away (at most ``rollout.response_length`` tokens).
+numbers; the tokens are the engine's (``gateway.max_sequences`` x
+``rollout.response_length`` at most), and a resumed session's recording until it is
+replayed or thrown away (as many).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import threading
@@ -51,7 +64,7 @@ from typing import Any
 import numpy as np
 
 from hpc_asyncppo.config import MultiTurnConfig
-from hpc_asyncppo.rollout.gateway.chat import Answer, Conversation, RequestError
+from hpc_asyncppo.rollout.gateway.chat import Answer, Conversation, NotExtending, RequestError
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup, Response, ResponseGroup
 from hpc_asyncppo.rollout.turns import call_end_ids
 from hpc_asyncppo.tasks import Prompt
@@ -94,6 +107,14 @@ class Session:
     # the same tokens are answered from it, until the first that differs
     recorded: Response | None = None
     replayed_to: int = 0  # its response's tokens so far that the recording gave
+    later: list[Response] = field(default_factory=list)  # its later sequences' recordings
+    # its current sequence: the group's row, and its prompt (None: the group's)
+    row: int = -1
+    sequence_prompt: list[int] | None = None
+    sequences: int = 1
+
+    def __post_init__(self) -> None:
+        self.row = self.j if self.row < 0 else self.row
 
     @property
     def ended(self) -> bool:
@@ -112,14 +133,16 @@ class Sessions:
         timeout_s: float,
         start_agent: Callable[[Session], None] | None = None,
         gather_s: float = 0.0,
+        max_sequences: int = 4,
     ):
         """``width``: rollout.response_length (the model's and the observations' tokens
         together). ``start_agent``: runs ``data.agent`` for a new session (``agents.py``);
         None: external agents drive the sessions. ``gather_s``: how long the engine waits
         for the next calls of sessions just answered before it generates for those that
         came (the hf engine generates a whole turn per step: a turn started alone is a
-        batch of one; vLLM adds requests at every decoding step: 0)."""
-        self.gather_s = gather_s
+        batch of one; vLLM adds requests at every decoding step: 0). ``max_sequences``:
+        gateway.max_sequences."""
+        self.gather_s, self.max_sequences = gather_s, max_sequences
         self.tokenizer, self.eos_id, self.width = tokenizer, eos_id, width
         self.max_prompt_length, self.timeout_s = max_prompt_length, timeout_s
         self.start_agent = start_agent
@@ -188,8 +211,11 @@ class Sessions:
         ]  # fmt: skip
         if recorded is not None and recorded.sofar.response_lengths.any():
             self.recorded_prompts[key] = list(recorded.prompt)
-            for s, r in zip(group, ResponseGroup.of(recorded).responses, strict=True):
+            responses = ResponseGroup.of(recorded).responses
+            for s, r in zip(group, responses[:n], strict=True):
                 s.recorded = r if r.tokens else None
+            for r in responses[n:]:  # later sequences, in the order they started
+                group[r.session].later.append(r)
         if temperature is not None:
             self.temperatures[key] = temperature
         with self.lock:
@@ -298,42 +324,51 @@ class Sessions:
         answered from ``gen``; the group waits for its sessions' rewards."""
         for s in self.groups[key]:
             if s.call is not None:
-                length = int(gen.response_lengths[s.j])
+                length, row = int(gen.response_lengths[s.row]), s.row
                 self._answer_with(
-                    s, gen.response_ids[s.j, :length].tolist(),
-                    gen.log_probs[s.j, :length].tolist(), gen.versions[s.j, :length].tolist(),
+                    s, gen.response_ids[row, :length].tolist(),
+                    gen.log_probs[row, :length].tolist(), gen.versions[row, :length].tolist(),
                     finished=True,
                 )  # fmt: skip
         self.held[key] = gen
 
     def _response(self, engine: Any, s: Session) -> Response | None:
-        """The session's response, as the engine keeps it; None once its group is held."""
+        """The session's current sequence, as the engine keeps it; None once its group is
+        held."""
         if s.key in self.held:
             return None
-        return engine.groups[s.key].responses[s.j]
+        return engine.groups[s.key].responses[s.row]
 
     def _call(self, engine: Any, s: Session, kind: str, body: dict, future: Future) -> None:
         if s.call is not None:
             raise RequestError(409, f"session {s.id} has a call running: one at a time")
+        observed = None
         if not s.opened:
             r = self._open(engine, s, kind, body)
-            observed = None
         else:
             r = self._response(engine, s)
-            if r is None or r.finished:
-                raise RequestError(400, f"session {s.id} has no room left in "
-                                   f"rollout.response_length={self.width}: end it")  # fmt: skip
-            after_eos = bool(r.tokens) and r.tokens[-1] == self.eos_id
-            if kind == "chat":
-                ids = s.conversation.extend(body["messages"], body.get("tools"), after_eos)
+            full = r is None or r.finished
+            after_eos = not full and bool(r.tokens) and r.tokens[-1] == self.eos_id
+            # a sequence with no room left takes no observation: tried on a copy
+            conversation = copy.copy(s.conversation) if full else s.conversation
+            try:
+                if kind == "chat":
+                    ids = conversation.extend(body["messages"], body.get("tools"), after_eos)
+                else:
+                    ids = conversation.extend_text(body["prompt"])
+            except NotExtending:
+                r = self._new_sequence(engine, s, kind, body)
             else:
-                ids = s.conversation.extend_text(body["prompt"])
-            room = self.width - len(r.tokens)
-            observed = ids[:room]
-            r.observe(observed)
-            r.waiting = False
-            if len(ids) >= room:
-                r.finished = True
+                if full:
+                    raise RequestError(400, f"session {s.id} has no room left in "
+                                       f"rollout.response_length={self.width}: end it, or "
+                                       "start a new sequence")  # fmt: skip
+                room = self.width - len(r.tokens)
+                observed = ids[:room]
+                r.observe(observed)
+                r.waiting = False
+                if len(ids) >= room:
+                    r.finished = True
         s.call = (kind, body, future)
         s.turn_start = len(r.tokens)
         s.calls += 1
@@ -351,7 +386,10 @@ class Sessions:
         taken as far as it went and the engine goes on from there. At the first call that
         differs the recording's rest is thrown away (``discarded_tokens``)."""
         rec, start = s.recorded, s.turn_start - len(observed or [])
-        prompt = self.prompts[s.key] == self.recorded_prompts.get(s.key)
+        if s.sequence_prompt is None:  # the session's first sequence: the group's prompt
+            prompt = self.prompts[s.key] == self.recorded_prompts.get(s.key)
+        else:
+            prompt = rec.prompt == s.sequence_prompt
         same = (
             prompt
             and rec.tokens[: len(r.tokens)] == r.tokens
@@ -384,21 +422,58 @@ class Sessions:
         return True
 
     def _discard(self, s: Session) -> None:
-        """What is left of a session's recording is not used: counted, let go."""
+        """What is left of a session's recording (its later sequences' too) is not used:
+        counted, let go."""
         if s.recorded is not None:
             self.discarded_tokens += len(s.recorded.tokens) - s.replayed_to
             s.recorded = None
+        self.discarded_tokens += sum(len(r.tokens) for r in s.later)
+        s.later = []
 
-    def _open(self, engine: Any, s: Session, kind: str, body: dict) -> Response:
-        """A session's first call: the group's prompt, or the same tokens as it."""
-        if kind == "chat":
-            ids = s.conversation.first(body["messages"], body.get("tools"))
+    def _new_sequence(self, engine: Any, s: Session, kind: str, body: dict) -> Response:
+        """A call that does not extend the session's conversation: the session goes on in
+        a new sequence, a further response of its group whose prompt is the call rendered
+        whole. The sequence before it ends where it stands. Nothing changes when the call
+        is refused (too many sequences, a prompt too long)."""
+        if s.sequences >= self.max_sequences:
+            raise RequestError(400, f"this call does not extend session {s.id}'s conversation, "
+                               f"and it has {s.sequences} sequences: gateway.max_sequences="
+                               f"{self.max_sequences} allows no more (extend the "
+                               "conversation, or end the session)", "messages")  # fmt: skip
+        conversation = Conversation(self.tokenizer, s.conversation.session)
+        ids = self._render(conversation, kind, body)
+        if s.key in self.held:  # the engine had finished the group: it takes it back
+            gen = self.held.pop(s.key)
+            rows = gen.response_ids.shape[0]
+            engine.resume(s.key, PartialGroup(list(self.prompts[s.key]), gen,
+                                              np.ones(rows, dtype=bool)))  # fmt: skip
+        group = engine.groups[s.key]
+        before = group.responses[s.row]
+        before.waiting, before.finished = False, True
+        group.responses.append(Response(prompt=list(ids), session=s.j))
+        s.row, s.sequence_prompt = len(group.responses) - 1, list(ids)
+        s.conversation, s.sequences = conversation, s.sequences + 1
+        if s.recorded is None and s.later and s.later[0].prompt == ids:
+            s.recorded, s.replayed_to = s.later.pop(0), 0  # as before the stop: replayed
         else:
-            ids = s.conversation.first_text(body["prompt"])
+            self._discard(s)
+        return group.responses[s.row]
+
+    def _render(self, conversation: Conversation, kind: str, body: dict) -> list[int]:
+        """A sequence's prompt: the call's messages (or text) rendered whole."""
+        if kind == "chat":
+            ids = conversation.first(body["messages"], body.get("tools"))
+        else:
+            ids = conversation.first_text(body["prompt"])
         if len(ids) > self.max_prompt_length:
             raise RequestError(400, f"the prompt has {len(ids)} tokens, more than "
                                f"data.max_prompt_length={self.max_prompt_length}",
                                "messages")  # fmt: skip
+        return ids
+
+    def _open(self, engine: Any, s: Session, kind: str, body: dict) -> Response:
+        """A session's first call: the group's prompt, or the same tokens as it."""
+        ids = self._render(s.conversation, kind, body)
         if s.key not in engine.groups:
             group = self.groups[s.key]
             engine.submit(s.key, ids, len(group), self.temperatures.get(s.key))
@@ -440,7 +515,7 @@ class Sessions:
         turn = tokens[s.turn_start :]
         cut = (finished and not (turn and turn[-1] == self.eos_id)) or limited
         answer = s.conversation.answer(turn, cut, room_left=not finished)
-        prompt = self.prompts[s.key] + tokens[: s.turn_start]
+        prompt = (s.sequence_prompt or self.prompts[s.key]) + tokens[: s.turn_start]
         future.set_result(Result(s.id, answer, prompt, turn, log_probs[s.turn_start :],
                                  versions[s.turn_start :]))  # fmt: skip
 
@@ -529,10 +604,11 @@ class Sessions:
                 continue
             if key in self.held:
                 gen = self.held[key]
-                finished = np.ones(len(group), dtype=bool)
+                finished = np.ones(gen.response_ids.shape[0], dtype=bool)
                 cut.append((key, PartialGroup(list(self.prompts[key]), gen, finished)))
             elif key in self.recorded_prompts:
                 responses = [s.recorded or Response() for s in group]
+                responses += [r for s in group for r in s.later]
                 partial = ResponseGroup(self.recorded_prompts[key], responses)
                 cut.append((key, partial.partial(width, pad_id)))
             else:
