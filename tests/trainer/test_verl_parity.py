@@ -76,6 +76,7 @@ import torch
 
 from hpc_asyncppo.config import _CHOICES, Config
 from hpc_asyncppo.trainer import advantages, algos
+from hpc_asyncppo.transport.samples import SampleGroup
 from tests.harness import REPO
 
 WHEEL = REPO / "build/verl-reference/verl-0.7.1-py3-none-any.whl"
@@ -275,7 +276,14 @@ def project_group_advantages(estimator: str, scores, lengths, mask, norm: bool =
     cfg = Config()
     cfg.algorithm.adv_estimator = estimator
     cfg.algorithm.norm_adv_by_std_in_grpo = norm
-    groups = [SimpleNamespace(response_lengths=row.numpy()) for row in lengths]
+    groups = [
+        SampleGroup(seed=0, epoch=0, prompt_index=i, rollout_rank=0, param_version_start=0,
+                    param_version_end=0, prompt_ids=np.zeros(1, np.int32),
+                    response_ids=np.zeros((row.numel(), 1), np.int32),
+                    response_lengths=row.numpy(), rollout_log_probs=np.zeros((row.numel(), 1)),
+                    rewards=np.zeros(row.numel(), np.float32))
+        for i, row in enumerate(lengths)
+    ]  # fmt: skip
     per_response = advantages.group_advantages(cfg, groups, scores.numpy())
     batch = {"advantages": torch.from_numpy(per_response).reshape(-1), "response_mask": mask}
     return advantages.token_advantages(cfg.algorithm, batch, None, lambda x: x)["advantages"]
