@@ -21,6 +21,8 @@ rank.
     python scripts/bench_gateway.py                         # all three, hf engine
     python scripts/bench_gateway.py --only latency concurrent --sessions 256
     python scripts/bench_gateway.py --only throughput --engine vllm
+    python scripts/bench_gateway.py --only throughput --engine vllm -- \
+        model.tiny.hidden_size=256 model.tiny.num_layers=4 model.tiny.intermediate_size=512
 
 Absolute times drift with this machine's neighbours; the ratio of part 1 and the added
 latency (a difference measured in the same calls) hold.
@@ -57,7 +59,9 @@ WIDTH = 10
 
 
 def throughput(args: argparse.Namespace) -> None:
-    print(f"== throughput: {args.steps} steps per run, engine {args.engine}, runs alternated")
+    extra = f", {' '.join(args.overrides)}" if args.overrides else ""
+    print(f"== throughput: {args.steps} steps per run, engine {args.engine}{extra}, runs "
+          "alternated")  # fmt: skip
     rates: dict[str, list[float]] = {mode: [] for mode in MODES}
     engine = [f"rollout.engine={args.engine}"]
     env = dict(os.environ)
@@ -72,13 +76,16 @@ def throughput(args: argparse.Namespace) -> None:
                 cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local",
                        "--run-dir", str(run_dir), f"trainer.total_steps={args.steps}",
                        f"trainer.seed={repeat + 1}", "checkpoint.save_every=0",
-                       *engine, *TASK, *overrides]  # fmt: skip
+                       *engine, *TASK, *overrides, *args.overrides]  # fmt: skip
                 subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL, env=env)
                 rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
                 last = [r for r in rows if "samples/total" in r][-1]
                 rate = last["samples/total"] / last["time/elapsed_s"]
                 rates[mode].append(rate)
-                print(f"  {mode:10s} seed {repeat + 1}: {rate:7.1f} samples/s")
+                # which side bounds the pipeline: the one that waits less
+                idle = f"idle trainer {last['trainer/idle_ratio']:.2f} rollout " \
+                       f"{last['rollouter/idle_ratio']:.2f}"  # fmt: skip
+                print(f"  {mode:10s} seed {repeat + 1}: {rate:7.1f} samples/s, {idle}")
     med = {mode: statistics.median(v) for mode, v in rates.items()}
     print(f"  median samples/s: in_process {med['in_process']:.1f}, agent {med['agent']:.1f}")
     print(f"  ratio agent / in_process: {med['agent'] / med['in_process']:.2f}x")
@@ -267,6 +274,8 @@ def main() -> int:
     parser.add_argument("--engine", default="hf", choices=["hf", "vllm"])
     parser.add_argument("--calls-sessions", type=int, default=40, help="latency: sessions")
     parser.add_argument("--sessions", type=int, default=256, help="concurrent sessions")
+    parser.add_argument("overrides", nargs="*", help="throughput: config overrides for both "
+                        "modes' runs (e.g. a larger model: model.tiny.hidden_size=256)")  # fmt: skip
     args = parser.parse_args()
     if "throughput" in args.only:
         throughput(args)
