@@ -31,7 +31,7 @@ set +e
 # Two workers, each test module (and the Slurm tests together) on one of them: the runs
 # leave a core idle while ranks start, wait on timeouts or sleep in Slurm's polls (see
 # pytest_collection_modifyitems in tests/conftest.py). The slowest tests are listed at the
-# end (the suite should stay under 20 minutes).
+# end (pytest should stay under 15 minutes).
 $PYTHON -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup --durations=25 "$@"
 rc=$?
 set -e
