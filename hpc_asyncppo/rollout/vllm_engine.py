@@ -124,6 +124,17 @@ def engine_kwargs(
     return kwargs
 
 
+def reaped_by(proc, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for a dead engine process's exit status. vLLM's own monitor
+    thread may reap it: between its ``waitpid`` and its recording the status on the same
+    process object, a ``join`` here finds no child and leaves ``exitcode`` None. Seen under
+    load: a SIGKILLed engine named as "exit code unknown"."""
+    deadline = time.monotonic() + timeout_s
+    proc.join(timeout=timeout_s)
+    while proc.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def death_reason(proc) -> str:
     """Why a ``multiprocessing`` process of the engine ended, for the rank's error."""
     code = proc.exitcode
@@ -424,7 +435,7 @@ class VLLMEngine:
         if self._closing:
             return
         gone = by_sentinel[ready[0]]
-        gone.join(timeout=5)  # vLLM's own monitor may be the one that reaps it
+        reaped_by(gone, timeout_s=5.0)
         if self.died is None:  # else: killed for a stall, which ``died`` already says
             self.died = death_reason(gone)
         self._watched.set()

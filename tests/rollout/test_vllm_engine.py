@@ -469,3 +469,25 @@ def test_a_dead_engine_process_is_named_with_its_signal_or_exit_code():
     quits.start()
     quits.join(timeout=HANG_S)
     assert death_reason(quits).endswith("died (exit code 3)")
+
+
+def test_a_dead_engine_reaped_by_vllms_monitor_is_still_named_with_its_signal():
+    """vLLM's monitor thread reads ``exitcode`` of the same process object: its waitpid can
+    reap the process just before the rank's join, which then finds no child. The status
+    the monitor records a moment later is the one named."""
+    from hpc_asyncppo.rollout.vllm_engine import death_reason, reaped_by
+
+    proc = multiprocessing.get_context("spawn").Process(
+        target=time.sleep, args=(60,), name="EngineCore_0"
+    )
+    proc.start()
+    os.kill(proc.pid, signal.SIGKILL)
+    _, status = os.waitpid(proc.pid, 0)  # the monitor's waitpid, before the rank's join
+
+    def monitor_records() -> None:
+        time.sleep(0.5)
+        proc._popen.returncode = os.waitstatus_to_exitcode(status)
+
+    threading.Thread(target=monitor_records).start()
+    reaped_by(proc, timeout_s=HANG_S)
+    assert death_reason(proc).endswith("died (signal SIGKILL)")
