@@ -67,6 +67,7 @@ class HFEngine:
         # LoRA (models/lora.py): the base's files, and the adapters of the last sync
         self.base: lora.BaseWeights | None = None
         self.adapters: dict[str, torch.Tensor] | None = None
+        self.receiver: WeightReceiver | None = None  # the weight group's, once joined
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
@@ -296,7 +297,10 @@ class HFEngine:
     stages_weights = True  # a sync can be received while generating, into a staging copy
 
     def join_weights(self, spec: WeightGroupSpec, first_rank: int) -> None:
-        """Join the weight group as rank ``first_rank``; blocks until the group has met."""
+        """Join the weight group as rank ``first_rank``; blocks until the group has met.
+        The generation it replaces, if any, is aborted first (``WeightGroup.close``)."""
+        if self.receiver is not None:
+            self.receiver.group.close()
         group = open_weight_group(spec, first_rank)
         self.receiver = WeightReceiver(group, 0, spec.bucket_device(self.device), self.device)
 

@@ -84,6 +84,8 @@ class WeightGroupEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
         spec = WeightGroupSpec.of(init_info.__dict__)
         # one engine per data-parallel replica here: the worker's rank is its TP rank
         self.rank = init_info.rank_offset + self.parallel_config.rank
+        if getattr(self, "group", None) is not None:  # the generation this one replaces
+            self.group.close()
         self.group = open_weight_group(spec, self.rank)
         self.receiver = WeightReceiver(
             self.group, 0, spec.bucket_device(self.device), target=self.device
@@ -149,6 +151,8 @@ class WeightGroupEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
             yield {name: tensor}
 
     def shutdown(self) -> None:
+        if getattr(self, "group", None) is not None:
+            self.group.close()
         self.group = None
 
 

@@ -19,6 +19,7 @@ restarts its engine too (BENCHMARKS.md, "Engine restarts in place").
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable
@@ -158,7 +159,7 @@ class WeightSender:
                 raise broken from None
         ranks = sorted(self.receiver.rejoins)
         self.receiver.rejoins.clear()
-        self.broadcaster = None  # the old group closes: a member still in it fails
+        self.close_group()
         self.spec = self.spec.regrouped()
         log.warning(
             "rollout ranks %s restart their engines: every rank meets in the weight group's "
@@ -169,6 +170,16 @@ class WeightSender:
         self.receiver.broadcast_control(Control.REGROUP, self.spec.generation)
         self.joining = self.join(self.spec)
         self.weights_lost = True
+
+    def close_group(self) -> None:
+        """Abort the weight group's current generation (``WeightGroup.close``), joined or
+        still meeting once it has met; the next sync joins the next one."""
+        if self.broadcaster is not None:
+            self.broadcaster.group.close()
+            self.broadcaster = None
+        elif self.joining.done():
+            with contextlib.suppress(RuntimeError):  # a rendezvous that failed: nothing held
+                self.joining.result(0).close()
 
     def group_sender(self) -> WeightBroadcaster:
         """The sender of the weight group, once the group has met (the first sync waits)."""

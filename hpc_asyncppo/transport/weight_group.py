@@ -71,10 +71,18 @@ def group_size(rollout_ranks: int, workers_per_rank: int) -> int:
 
 class WeightGroup:
     """A joined weight group: ``broadcast`` (asynchronous, a ``Work`` to wait on) is all a
-    sync needs. Holds the store: rank 0 serves it for as long as the group lives."""
+    sync needs. Holds the store: rank 0 serves it for as long as the group lives.
+
+    ``close`` aborts it when a newer generation replaces it: its communicators and their
+    buffers go at once (NCCL: device memory and channels per communicator), and a
+    collective still posted on it ends instead of holding them. A group merely dropped
+    would be shut down by its destructor, which under NCCL waits for every posted
+    collective: on a group broken by a dead member, forever. A closed group refuses
+    further broadcasts at once (a RuntimeError, as a broken sync raises)."""
 
     def __init__(self, group: dist.ProcessGroup, store: dist.Store, spec: WeightGroupSpec):
         self.group, self.store, self.spec = group, store, spec
+        self.closed = False
 
     @property
     def rank(self) -> int:
@@ -85,7 +93,18 @@ class WeightGroup:
         return self.group.size()
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> dist.Work:
+        if self.closed:
+            raise RuntimeError(
+                f"the weight group's generation {self.spec.generation} is closed: a newer "
+                "generation replaced it"
+            )
         return self.group.broadcast(tensor, src)
+
+    def close(self) -> None:
+        """Abort the group (idempotent): see the class's docstring."""
+        if not self.closed:
+            self.closed = True
+            self.group.abort()
 
 
 def serve_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:

@@ -1,12 +1,15 @@
 """The weight group stands apart from torch.distributed's default group: a sync completes
 while the default group holds a rank that never joins any collective (on a rollout rank the
-default group is the whole MPI job; vLLM's own IPC engine blocked there)."""
+default group is the whole MPI job; vLLM's own IPC engine blocked there). A generation
+replaced is closed, and the next meets on the same store."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -20,11 +23,13 @@ from hpc_asyncppo.transport.weight_group import (
     group_size,
     member_rank,
     open_weight_group,
+    serve_store,
 )
 from hpc_asyncppo.transport.weights import WeightBroadcaster, WeightReceiver
 
 SILENT_S = 120  # the silent rank stays in the default group this long, doing nothing
 HANG_S = 60  # the sync's ranks end before this, and long before the silent one
+CPU = torch.device("cpu")
 
 
 def _port() -> int:
@@ -91,3 +96,32 @@ def test_a_sync_completes_while_the_default_group_has_a_silent_rank() -> None:
         assert silent_alive, "the silent rank should still be sleeping: the test proves nothing"
         assert out["version"] == 7
         assert out["digest"] == weights_digest(weights(1))
+
+
+def test_a_closed_generation_refuses_at_once_and_the_next_one_meets() -> None:
+    """A generation replaced (an engine restarted) is closed on every member: a broadcast
+    still posted on it by a late caller raises at once, not after the group's timeout, and
+    the next generation meets on the same store."""
+    spec = WeightGroupSpec("127.0.0.1", _port(), 2, "gloo", timeout_s=HANG_S)
+    store = serve_store(spec.host, spec.world_size, spec.timeout_s)
+    spec = dataclasses.replace(spec, port=store.port)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        member = pool.submit(open_weight_group, spec, 1)
+        old = open_weight_group(spec, 0, store)
+        old_member = member.result(timeout=HANG_S)
+        for group in (old, old_member):
+            group.close()
+            group.close()  # a second close does nothing
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="generation 0 is closed"):
+            old.broadcast(torch.ones(1), 0)
+        assert time.monotonic() - start < 1.0
+        following = spec.regrouped()
+        member = pool.submit(
+            lambda: WeightReceiver(open_weight_group(following, 1), 0, CPU).receive_all()
+        )
+        new = open_weight_group(following, 0, store)
+        WeightBroadcaster(new, 0, 1 / 2**10, CPU).broadcast(3, weights(2))
+        version, received = member.result(timeout=HANG_S)
+    assert version == 3
+    assert weights_digest(list(received.items())) == weights_digest(weights(2))
