@@ -315,6 +315,7 @@ class WeightBroadcaster:
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.window = Window(device, budget=2 * self.bucket_bytes, bucket_bytes=self.bucket_bytes)
         self.peak_bytes = 0  # most bucket-buffer bytes held at once, over every sync
+        self.stream: torch.cuda.Stream | None = None  # the side thread's (in-flight syncs)
 
     def broadcast(
         self,
@@ -363,8 +364,29 @@ class WeightBroadcaster:
     ) -> Background:
         """``broadcast`` on a side thread; its result is the seconds the broadcast took.
         ``named`` must be tensors the caller no longer changes (e.g. gathered copies): they
-        are read while the caller trains on."""
-        return Background(lambda: self.broadcast(version, named), f"weight sync v{version}")
+        are read while the caller trains on.
+
+        On a GPU the side thread works on a stream of its own: its packing copies and the
+        collectives (which NCCL orders after the calling thread's current stream) wait
+        only for the kernels that made ``named`` (an event recorded here, on the caller's
+        stream), not for the training kernels queued after them, so the broadcast does not
+        stretch with training. ``named`` stays referenced until the thread ends, and the
+        thread ends only once its stream has completed (``Window.settle``), so no tensor's
+        memory is reused while the side stream still reads it."""
+        if self.device.type != "cuda":
+            return Background(lambda: self.broadcast(version, named), f"weight sync v{version}")
+        made = torch.cuda.Event()
+        made.record(torch.cuda.current_stream(self.device))
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        side = self.stream
+
+        def run() -> float:
+            with torch.cuda.stream(side):
+                side.wait_event(made)
+                return self.broadcast(version, named)
+
+        return Background(run, f"weight sync v{version}")
 
 
 class Background:
