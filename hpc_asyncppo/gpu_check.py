@@ -18,6 +18,14 @@ Each check is a function of the device, so the suite runs the same functions on 
                        Qwen2-architecture model of the tiny size)
   memory_check         the memory check (memory.py) of the 7B recipe against this device's
                        real size: what it says for rollout and trainer GPUs of this size
+  weight_group_peer_missing
+                       a weight group whose peer never arrives fails at the join within its
+                       timeout (NCCL: the eager connect), instead of hanging
+  weight_sync_peer_dies
+                       a member killed mid-sync: the sender raises a RuntimeError, the
+                       error the sync's recovery catches, and lives (NCCL: needs two GPUs)
+  side_stream_sync     the in-flight sync's side thread completes while training kernels
+                       queued before it still run (its own CUDA stream); both timed
 
 One line per check and a summary line; exit 0 only if every check passed. Without CUDA:
 one line, exit 2 (``--device cpu`` runs them on the CPU anyway).
@@ -45,6 +53,7 @@ from hpc_asyncppo.paths import LOGS, METRICS, RANKS, WEIGHTS
 from hpc_asyncppo.tasks.next_digit import LEARNED_REWARD, UNTRAINED_REWARD_MAX
 
 REPO = Path(__file__).resolve().parent.parent
+CPU = torch.device("cpu")
 
 
 def _free_port() -> int:
@@ -343,6 +352,192 @@ def check_memory_check(device: torch.device, work: Path) -> str:
     return f"7B recipe on {gb:.0f} GB GPUs: " + "; ".join(said)
 
 
+# --- vLLM after a weight sync (scripts/gpu_check.py on a GPU; the vLLM engine's tests) -----
+def check_vllm_update(
+    engine, update, weights: dict[str, torch.Tensor], hf, prompts: list[list[int]],
+    tolerance: float, sent_digest: str | None = None,
+) -> str:  # fmt: skip
+    """What a sync into vLLM must leave, checked after ``update`` (the engine's
+    ``WeightUpdate`` of ``weights``, asked with ``digest=True``): every worker digested
+    exactly what the sender sent (``sent_digest``, or the digest of ``weights``), and
+    greedy responses to ``prompts`` are ``hf``'s (a transformers model that is given the
+    same weights here) greedy continuation (each token its best, or within ``tolerance``
+    of it: a near tie may go either way in bf16), with log-probs equal to its log_softmax
+    within ``tolerance``. A load that did nothing passes neither. One line."""
+    from hpc_asyncppo.runlog import weights_digest
+
+    sent = sent_digest or weights_digest(list(weights.items()))
+    assert update.digests and all(d == sent for d in update.digests), (
+        f"v{update.version}: worker digests {[d[:12] for d in update.digests]} differ from "
+        f"the sender's {sent[:12]}"
+    )
+    loaded = hf.load_state_dict(weights, strict=False)
+    tied = {"lm_head.weight"} if hf.config.tie_word_embeddings else set()
+    assert not loaded.unexpected_keys and set(loaded.missing_keys) <= tied, loaded
+    for i, prompt in enumerate(prompts):
+        engine.submit(("greedy", update.version, i), prompt, 1, temperature=0.0)
+    done: dict = {}
+    while engine.in_flight:
+        done.update(engine.step())
+    worst, tokens = 0.0, 0
+    for i, prompt in enumerate(prompts):
+        greedy = done[("greedy", update.version, i)]
+        length = int(greedy.response_lengths[0])
+        ids = torch.as_tensor(greedy.response_ids[0, :length], dtype=torch.long)
+        device = next(hf.parameters()).device
+        with torch.no_grad():
+            logits = hf(torch.as_tensor([prompt + ids.tolist()], device=device)).logits[0]
+        logits = logits[len(prompt) - 1 : len(prompt) - 1 + length].float().cpu()
+        every = torch.log_softmax(logits, -1)
+        hf_lp = every.gather(1, ids[:, None]).squeeze(1)
+        behind = (every.max(-1).values - hf_lp).max().item() if length else 0.0
+        assert behind <= tolerance, (
+            f"v{update.version} prompt {i}: a greedy token of vLLM's is {behind:.3g} below "
+            "transformers' best"
+        )
+        diff = (hf_lp - torch.as_tensor(greedy.log_probs[0, :length])).abs().max().item()
+        assert diff < tolerance, f"v{update.version} prompt {i}: log-probs differ by {diff:.3g}"
+        worst, tokens = max(worst, diff), tokens + length
+    return (
+        f"v{update.version}: {len(update.digests)} workers' digests equal the sender's; "
+        f"{tokens} greedy tokens are transformers', log-probs within {worst:.2g}"
+    )
+
+
+# --- the weight group under NCCL's failures (gloo on the CPU) ------------------------------
+GROUP_TIMEOUT_S = 30.0  # the weight group's own timeout in these checks
+ALONE_TIMEOUT_S = 5.0  # ... and the lone rank's, which waits it out
+HANG_S = 120.0  # a side that has not ended by then hangs: the check fails, naming it
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _run_side(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """One side of a weight group as its own process (``weight_group_side``): a side that
+    NCCL tears down, or that hangs, takes only itself."""
+    code = f"from hpc_asyncppo.gpu_check import weight_group_side; weight_group_side({args!r})"
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})  # fmt: skip
+
+
+def _ended(proc: subprocess.Popen, who: str) -> tuple[int, str, float]:
+    """(exit code, last output line, seconds) of a side, killed past ``HANG_S``."""
+    start = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=HANG_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(
+            f"{who} hung: killed after {HANG_S:g} s; it said {out[-300:]!r}"
+        ) from None
+    lines = [line for line in out.splitlines() if line.startswith("side:")]
+    return proc.returncode, lines[-1] if lines else out[-300:], time.monotonic() - start
+
+
+def weight_group_side(args: list[str]) -> None:
+    """A side of the weight group checks: ``alone PORT BACKEND TIMEOUT`` (rank 0 of a
+    group of two whose peer never comes), ``leader ...`` (sends 8 buckets) or ``member
+    ...`` (receives them; a fault set in its environment kills it mid-sync). Prints one
+    ``side:`` line: what happened, and how long it took."""
+    from hpc_asyncppo.transport.weight_group import WeightGroupSpec, open_weight_group
+    from hpc_asyncppo.transport.weights import WeightBroadcaster, WeightReceiver
+
+    role, port, backend, timeout_s = args[0], int(args[1]), args[2], float(args[3])
+    device = torch.device("cuda", 1 if role == "member" else 0) if backend == "nccl" else CPU
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    spec = WeightGroupSpec("127.0.0.1", port, 2, backend, timeout_s)
+    start = time.monotonic()
+    try:
+        group = open_weight_group(spec, 1 if role == "member" else 0)
+        if role == "member":
+            WeightReceiver(group, 0, device).receive_all()
+        else:
+            named = [(f"w{i}", torch.ones(2**18, device=device)) for i in range(8)]
+            WeightBroadcaster(group, 0, 1, device).broadcast(0, named)
+        print(f"side: {role} completed in {time.monotonic() - start:.1f} s", flush=True)
+    except RuntimeError as exc:  # what the sync's recovery catches, on both backends
+        said = " ".join(str(exc).split())[:160]
+        print(f"side: {role} raised {type(exc).__name__} after {time.monotonic() - start:.1f} s: "
+              f"{said}", flush=True)  # fmt: skip
+        os._exit(3)
+    os._exit(0)
+
+
+def check_weight_group_peer_missing(device: torch.device, work: Path) -> str:
+    """A weight group whose peer never arrives fails within its timeout, at the join (the
+    group meets eagerly), instead of hanging there or at the first broadcast."""
+    code, said, seconds = _ended(
+        _run_side(["alone", str(_free_port()), _backend(device), str(ALONE_TIMEOUT_S)]),
+        "the lone rank",
+    )
+    assert code == 3 and "raised" in said, f"exit {code}: {said}"
+    assert seconds < ALONE_TIMEOUT_S + 60, f"failed only after {seconds:.0f} s: {said}"
+    return f"{_backend(device)}: {said.removeprefix('side: ')}"
+
+
+def check_weight_sync_peer_dies(device: torch.device, work: Path) -> str:
+    """A member killed as the 3rd bucket of a sync arrives: the sender raises the error the
+    sync's recovery catches (a RuntimeError, as gloo's), instead of the process being torn
+    down or hanging."""
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        return "not run: NCCL needs a GPU per member, and this machine has one"
+    from hpc_asyncppo.runtime.faults import FAULTS_ENV, RUN_DIR_ENV
+
+    port, backend, timeout_s = str(_free_port()), _backend(device), str(GROUP_TIMEOUT_S)
+    (work / "peer_dies").mkdir(parents=True, exist_ok=True)
+    fault = {FAULTS_ENV: "kill_rank@bucket=3:sync=1", RUN_DIR_ENV: str(work / "peer_dies")}
+    member = _run_side(["member", port, backend, timeout_s], fault)
+    leader = _run_side(["leader", port, backend, timeout_s])
+    member_code, _, _ = _ended(member, "the member")
+    code, said, seconds = _ended(leader, "the leader")
+    assert member_code == -9, f"the member was not killed by its fault (exit {member_code})"
+    assert code == 3 and "raised" in said, f"the leader: exit {code}: {said}"
+    return f"{backend}: {said.removeprefix('side: ')}"
+
+
+def check_side_stream_sync(device: torch.device, work: Path) -> str:
+    """The in-flight sync's side thread beside a busy training stream: the broadcast (of a
+    one-rank weight group: the sender's own work, no peer needed) completes while the
+    training kernels queued before it are still running, as it waits only for the event
+    its tensors were made under. Both timed. On the CPU there are no streams: the code
+    path runs, the overlap is not checked."""
+    from hpc_asyncppo.transport.weight_group import WeightGroupSpec, open_weight_group
+    from hpc_asyncppo.transport.weights import WeightBroadcaster
+
+    spec = WeightGroupSpec("127.0.0.1", _free_port(), 1, _backend(device), GROUP_TIMEOUT_S)
+    group = open_weight_group(spec, 0)
+    sender = WeightBroadcaster(group, 0, 64, device)
+    named = [(f"w{i}", torch.randn(2**22, device=device).bfloat16()) for i in range(8)]
+    x = torch.randn(4096, 4096, device=device)
+    sender.broadcast(0, named)  # the buffers and the communicator, before timing
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.monotonic()
+    training_done = torch.cuda.Event() if device.type == "cuda" else None
+    sending = sender.broadcast_in_background(1, named)
+    for _ in range(200 if device.type == "cuda" else 2):  # the training stream, busy
+        x = torch.tanh(x @ x)
+    if training_done is not None:
+        training_done.record()
+    sync_s = float(sending.result(HANG_S))
+    sent_at = time.monotonic() - start
+    if training_done is not None:
+        overlapped = not training_done.query()
+        torch.cuda.synchronize(device)
+        train_s = time.monotonic() - start
+        group.close()
+        assert overlapped, (
+            f"the sync ({sync_s:.3f} s) waited for the training stream ({train_s:.3f} s)"
+        )
+        return f"sync {sync_s:.3f} s done at {sent_at:.3f} s, while training ran to {train_s:.3f} s"
+    group.close()
+    return f"sync {sync_s:.3f} s on the side thread (no streams on the CPU)"
+
+
 CHECKS: dict[str, Callable[[torch.device, Path], str]] = {
     "gpu_binding": check_gpu_binding,
     "fsdp2_step": check_fsdp2_step,
@@ -351,6 +546,9 @@ CHECKS: dict[str, Callable[[torch.device, Path], str]] = {
     "weight_sync_via_host": check_weight_sync_via_host,
     "recipe_budget": check_recipe_budget,
     "memory_check": check_memory_check,
+    "weight_group_peer_missing": check_weight_group_peer_missing,
+    "weight_sync_peer_dies": check_weight_sync_peer_dies,
+    "side_stream_sync": check_side_stream_sync,
 }
 
 

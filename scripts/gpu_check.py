@@ -1,15 +1,18 @@
-"""GPU check of the vLLM rollout path: weights from a trainer into vLLM's workers, and a few
-async steps.
+"""GPU check of the vLLM rollout path: weights from a trainer into vLLM's workers, checked
+against the sender and against transformers, and a few async steps.
 
 On a machine with CUDA GPUs and vLLM (bash scripts/gpu_check.sh runs hpc_asyncppo.gpu_check
-first, then this):
+first, then this), for a Qwen2 architecture with untied and with tied embeddings (random
+weights, the default task's tokenizer), CUDA graphs on:
   1. with 2+ GPUs, a trainer process (cuda:1) is rank 0 of the weight group and the vLLM
      worker (cuda:0) its member, as in a run (NCCL; the rollout process only drives the
      engine: ``join_weights``, ``update_weights``); with one GPU the rollout process sends
      the weights itself (``VLLMEngine.load_weights``, gloo through host memory: NCCL
      refuses two members on one device);
-  2. the worker loads them through vLLM's loader (layerwise reload, prefix-cache reset),
-     digests what it loaded, and sampling changes;
+  2. after every sync (``hpc_asyncppo.gpu_check.check_vllm_update``, which the vLLM engine's
+     tests run on the CPU): each worker's digest of what it loaded equals the sender's,
+     and greedy responses are transformers' greedy continuation under the same weights,
+     with log-probs equal to its log_softmax within ``--tolerance``;
   3. a few async steps with partial rollout: generate, cut at a sync, resume.
 It prints tokens/s and sync times. Without CUDA it exits with status 2 at once.
 
@@ -35,6 +38,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--n", type=int, default=8, help="responses per prompt")
     p.add_argument("--tokens", type=int, default=256, help="max new tokens per response")
     p.add_argument("--syncs", type=int, default=3, help="weight syncs in the async phase")
+    p.add_argument("--tolerance", type=float, default=0.05,
+                   help="bf16: greedy log-probs against transformers'")  # fmt: skip
     return p.parse_args()
 
 
@@ -47,29 +52,51 @@ def main() -> int:
         )
         return 2
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
-    model_dir = Path(args.model) if args.model else tiny_model(work)
+    models = [Path(args.model)] if args.model else [qwen2(work, tied) for tied in (False, True)]
     gpus = torch.cuda.device_count()
-    print(f"gpu_check: {gpus} GPU(s): {torch.cuda.get_device_name(0)}; model {model_dir}")
-    port = free_port()
-    if gpus >= 2:
-        trainer = torch.multiprocessing.get_context("spawn").Process(
-            target=trainer_process, args=(str(model_dir), port, args.syncs + 1)
-        )
-        trainer.start()
-        rc = rollout_process(args, model_dir, port, nccl=True)
-        trainer.join(timeout=600)
-        return rc or trainer.exitcode or 0
-    print("gpu_check: one GPU: the NCCL trainer->rollout broadcast needs two, skipped")
-    return rollout_process(args, model_dir, port, nccl=False)
+    print(f"gpu_check: {gpus} GPU(s): {torch.cuda.get_device_name(0)}")
+    if gpus < 2:
+        print("gpu_check: one GPU: the NCCL trainer->rollout broadcast needs two, skipped")
+    rc = 0
+    for model_dir in models:
+        print(f"gpu_check: model {model_dir}")
+        port = free_port()
+        if gpus >= 2:
+            ctx = torch.multiprocessing.get_context("spawn")
+            sent = ctx.Queue()
+            trainer = ctx.Process(
+                target=trainer_process, args=(str(model_dir), port, args.syncs + 1, sent)
+            )
+            trainer.start()
+            rc |= rollout_process(args, model_dir, port, sent)
+            trainer.join(timeout=600)
+            rc |= trainer.exitcode or 0
+        else:
+            rc |= rollout_process(args, model_dir, port, None)
+    return rc
 
 
-def tiny_model(work: Path) -> Path:
-    from hpc_asyncppo.config import DataConfig, TinyModelConfig
-    from hpc_asyncppo.models.tiny import build_tiny_model
+def qwen2(work: Path, tied: bool) -> Path:
+    """A random Qwen2 (4 layers of 256, 4 heads of 64, 2 KV heads) with the default task's
+    tokenizer; ``tied``: the LM head is the embedding."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from hpc_asyncppo.config import DataConfig
+    from hpc_asyncppo.models.tiny import build_tokenizer
     from hpc_asyncppo.tasks import load_task
 
-    size = TinyModelConfig(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=512)
-    return build_tiny_model(work / "model", load_task(DataConfig()).vocabulary(), size, seed=3)
+    out = work / ("qwen2_tied" if tied else "qwen2_untied")
+    tokenizer = build_tokenizer(load_task(DataConfig()).vocabulary())
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=tied, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
 
 
 def free_port() -> int:
@@ -101,7 +128,7 @@ def weight_group_spec(port: int):
     return WeightGroupSpec("127.0.0.1", port, world_size=2, backend="nccl", timeout_s=600)
 
 
-def trainer_process(model_dir: str, port: int, versions: int) -> None:
+def trainer_process(model_dir: str, port: int, versions: int, sent) -> None:
     """Rank 0 of the weight group on cuda:1: the trainer leader's side of every sync."""
     from hpc_asyncppo.runlog import WeightDigest
     from hpc_asyncppo.transport.weight_group import open_weight_group
@@ -114,20 +141,28 @@ def trainer_process(model_dir: str, port: int, versions: int) -> None:
         digest = WeightDigest()
         named = perturbed(Path(model_dir), version, torch.device("cuda", 1))
         seconds = sender.broadcast(version, named, on_tensor=digest.add)
+        sent.put((version, digest.hexdigest()))
         print(f"trainer: broadcast v{version} in {seconds:.3f} s, digest {digest.hexdigest()[:12]}",
               flush=True)  # fmt: skip
 
 
-def rollout_process(args: argparse.Namespace, model_dir: Path, port: int, nccl: bool) -> int:
+def rollout_process(args: argparse.Namespace, model_dir: Path, port: int, sent) -> int:
+    """The vLLM engine on cuda:0: its weights from the trainer process (``sent``: the queue
+    of the digests it sent; NCCL) or from this process (None; through host memory), each
+    sync checked, then the async phase."""
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    from transformers import AutoModelForCausalLM
+
     from hpc_asyncppo.config import ModelConfig, RolloutConfig
+    from hpc_asyncppo.gpu_check import check_vllm_update
     from hpc_asyncppo.rollout.vllm_engine import VLLMEngine
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(0)
+    nccl = sent is not None
 
     rollout = RolloutConfig(
-        engine="vllm", n=args.n, response_length=args.tokens, gpu_memory_utilization=0.6
+        engine="vllm", n=args.n, response_length=args.tokens, gpu_memory_utilization=0.5
     )
     start = time.monotonic()
     engine = VLLMEngine(
@@ -136,15 +171,29 @@ def rollout_process(args: argparse.Namespace, model_dir: Path, port: int, nccl: 
     print(f"rollout: vLLM engine up in {time.monotonic() - start:.1f} s")
     if nccl:
         engine.join_weights(weight_group_spec(port), 1)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+    checked = [engine.encode(f"{i} {i + 3} {i + 5} =") for i in range(4)]
+    failures = []
 
-    def next_weights(version: int) -> None:
+    def next_weights(version: int, check: bool = True) -> None:
         start = time.monotonic()
+        weights = dict(perturbed(model_dir, version, device))
         if nccl:
             update = engine.update_weights(version, digest=True)
+            carried, digest = sent.get(timeout=600)
+            assert carried == version, (carried, version)
         else:
-            update = engine.load_weights(dict(perturbed(model_dir, version, device)), version, True)
+            update, digest = engine.load_weights(weights, version, True), None
         print(f"rollout: v{version} in the worker in {time.monotonic() - start:.3f} s "
-              f"(paused {update.pause_s:.3f} s), digest {update.digests[0][:12]}")  # fmt: skip
+              f"(paused {update.pause_s:.3f} s)")  # fmt: skip
+        if not check:  # the async phase: the check would finish its cut requests
+            return
+        try:
+            print("rollout:", check_vllm_update(engine, update, weights, hf, checked,
+                                                args.tolerance, digest))  # fmt: skip
+        except AssertionError as exc:
+            failures.append(str(exc))
+            print(f"rollout: v{version}: FAILED: {exc}")
 
     prompts = [engine.encode(f"{i % 10} {(i * 7) % 10} =") for i in range(args.prompts)]
 
@@ -162,7 +211,7 @@ def rollout_process(args: argparse.Namespace, model_dir: Path, port: int, nccl: 
         for _ in range(max(2, args.tokens // (args.syncs + 1))):
             done.update(engine.step())
         engine.interrupt()
-        next_weights(version)  # mid-generation: the cut requests resume under it
+        next_weights(version, check=False)  # mid-generation: the cut requests resume under it
     while engine.in_flight:
         done.update(engine.step())
     elapsed = time.monotonic() - start
@@ -171,9 +220,10 @@ def rollout_process(args: argparse.Namespace, model_dir: Path, port: int, nccl: 
     print(f"rollout: async phase: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:,.0f} tok/s "
           f"(syncs included); {spanning} responses span more than one version")  # fmt: skip
     engine.close()
-    ok = spanning > 0
-    print("gpu_check:", "OK" if ok else "FAILED: no response was resumed across a sync")
-    return 0 if ok else 1
+    if not spanning:
+        failures.append("no response was resumed across a sync")
+    print("gpu_check:", "FAILED: " + "; ".join(failures) if failures else "OK")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

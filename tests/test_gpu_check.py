@@ -21,7 +21,17 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize(
-    "name", ["gpu_binding", "fsdp2_step", "checkpoint", "recipe_budget", "memory_check"]
+    "name",
+    [
+        "gpu_binding",
+        "fsdp2_step",
+        "checkpoint",
+        "recipe_budget",
+        "memory_check",
+        "weight_group_peer_missing",
+        "weight_sync_peer_dies",
+        "side_stream_sync",
+    ],
 )
 def test_check_runs_on_the_cpu(name: str, work: Path) -> None:
     detail = gpu_check.CHECKS[name](CPU, work)

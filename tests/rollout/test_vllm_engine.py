@@ -200,36 +200,26 @@ def test_after_a_weight_update_log_probs_match_the_new_weights(engine, model_dir
 
 
 def check_updates(engine, policy, model_dir, log_probs_of) -> None:
+    """Two syncs, each checked as the GPU check checks one (``gpu_check.check_vllm_update``:
+    worker digests, greedy tokens and log-probs against transformers), and the sampled
+    log-probs against the trainer's forward."""
     from transformers import AutoModelForCausalLM
+
+    from hpc_asyncppo.gpu_check import check_vllm_update
 
     prompts = prompts_for(engine)
     engine.generate(prompts, N)  # fills the prefix cache with KV of the old weights
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     for version, seed in ((1, 11), (2, 12)):
         weights = perturbed(policy, seed)
-        engine.load_weights(weights, version=version)
+        update = engine.load_weights(weights, version=version, digest=True)
         gens = engine.generate(prompts, N)
         assert all((g.versions[:, 0] == version).all() for g in gens)
         lp, rollout_lp, mask = log_probs_of(policy, prompts, gens, engine.pad_id)
         diff = (lp - rollout_lp).abs()[mask]
         assert diff.max().item() < TOLERANCE, f"v{version}: max diff {diff.max().item()}"
-        hf.load_state_dict(weights)
-        for i, prompt in enumerate(prompts):
-            engine.submit(("greedy", version, i), prompt, 1, temperature=0.0)
-        done: dict = {}
-        while engine.in_flight:
-            done.update(engine.step())
-        for i, prompt in enumerate(prompts):
-            greedy = done[("greedy", version, i)]
-            length = int(greedy.response_lengths[0])
-            ids = torch.as_tensor(greedy.response_ids[0, :length], dtype=torch.long)
-            with torch.no_grad():
-                logits = hf(torch.as_tensor([prompt + ids.tolist()])).logits[0].float()
-            logits = logits[len(prompt) - 1 : len(prompt) - 1 + length]
-            assert ids.tolist() == logits.argmax(-1).tolist(), f"v{version} prompt {i}"
-            hf_lp = torch.log_softmax(logits, -1).gather(1, ids[:, None]).squeeze(1)
-            got = torch.as_tensor(greedy.log_probs[0, :length])
-            assert (hf_lp - got).abs().max().item() < TOLERANCE, f"v{version} prompt {i}"
+        said = check_vllm_update(engine, update, weights, hf, prompts, TOLERANCE)
+        assert said.startswith(f"v{version}: {TP} workers' digests equal the sender's"), said
 
 
 def test_a_lora_sync_carries_adapters_and_the_workers_generate_with_them(
