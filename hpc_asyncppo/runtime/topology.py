@@ -31,7 +31,12 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from hpc_asyncppo.transport.weight_group import WeightGroupSpec, group_size, serve_store
+from hpc_asyncppo.transport.weight_group import (
+    WeightGroupSpec,
+    group_size,
+    nccl_environment,
+    serve_store,
+)
 
 ROLLOUT, TRAINER = "rollout", "trainer"
 
@@ -135,6 +140,7 @@ def build_topology(rollout_ranks: int, timeout_s: float, workers_per_rank: int =
         world, f"{here}:{_free_port()} {store.port}" if store is not None else "", root=leader
     ).split()
     device = _pick_device()
+    nccl_environment(timeout_s)  # before any process group here or in vLLM's workers
     # A CPU tensor on the default group goes through gloo, a CUDA tensor through NCCL.
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(

@@ -17,11 +17,33 @@ code. Every collective on it, the rendezvous included, is bounded by ``timeout_s
 
 A member that dies (a vLLM engine restarted inside its rollout rank) breaks the group: the
 members meet again in a new one on the same store, its ``generation`` one higher
-(``WeightGroupSpec.regrouped``; the trainer leader orders it, ``trainer/sync.py``).
+(``WeightGroupSpec.regrouped``; the trainer leader orders it, ``trainer/sync.py``), and
+the generation it replaces is closed (``WeightGroup.close``).
+
+Bounded on both backends, so that a failure is one error on one code path:
+- *The join meets eagerly.* Gloo connects every pair as the group is built. NCCL would
+  create its communicator only at the first broadcast, outside any join's bound, in
+  blocking mode (no timeout at all): here it is created at once
+  (``eager_connect_single_device``), non-blocking (``config.blocking = 0``: torch polls
+  its creation against ``TORCH_NCCL_NONBLOCKING_TIMEOUT``, which ``nccl_environment``
+  sets to the group's timeout, and aborts it past that), and both backends then complete
+  a warm-up broadcast before ``open_weight_group`` returns.
+- *A collective that fails or passes the timeout raises.* Torch's default NCCL error
+  handling tears the process down from its watchdog; the group's NCCL backend is built
+  with blocking wait (``TORCH_NCCL_BLOCKING_WAIT``, read as a backend is built), under
+  which ``Work.wait`` blocks until completion or ``timeout_s``, aborts the communicator on
+  a timeout or an error and raises ``DistBackendError``: a RuntimeError, as gloo's
+  failures are, which the sync's recovery catches on both backends.
+These NCCL settings follow torch 2.13's ProcessGroupNCCL as read, not as run: the suite
+runs gloo, and ``scripts/gpu_check.sh`` checks the NCCL side (README, "Known limits").
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 
@@ -29,6 +51,8 @@ import torch
 import torch.distributed as dist
 
 _STORE_PREFIX = "hpc_asyncppo/weights"
+NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"  # read once per process by torch
+BLOCKING_WAIT_ENV = "TORCH_NCCL_BLOCKING_WAIT"  # read as each NCCL backend is built
 
 
 @dataclass(frozen=True)
@@ -122,12 +146,34 @@ def serve_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
     )
 
 
+def nccl_environment(timeout_s: float) -> None:
+    """Bound a non-blocking NCCL communicator's creation by ``timeout_s`` (torch's default:
+    30 minutes) in this process and the processes it starts (vLLM's workers), unless the
+    user set it. Torch reads it once per process, at the first non-blocking communicator:
+    a rank calls this before its first process group."""
+    os.environ.setdefault(NONBLOCKING_TIMEOUT_ENV, str(math.ceil(timeout_s)))
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
 def open_weight_group(
     spec: WeightGroupSpec, rank: int, store: dist.TCPStore | None = None
 ) -> WeightGroup:
     """Join the weight group as ``rank`` (0: the leader, which serves the store: ``store``,
-    from ``serve_store``, or one made here on ``spec.port``). Blocks until every member has
-    joined, at most ``spec.timeout_s``."""
+    from ``serve_store``, or one made here on ``spec.port``). Returns once every member has
+    joined and a warm-up broadcast has gone through (NCCL: its communicator exists);
+    raises within about ``spec.timeout_s`` otherwise (the module's docstring)."""
     timeout = timedelta(seconds=spec.timeout_s)
     if store is None:
         store = dist.TCPStore(
@@ -141,10 +187,14 @@ def open_weight_group(
     prefixed = dist.PrefixStore(f"{_STORE_PREFIX}/{spec.generation}", store)
     group = dist.ProcessGroup(prefixed, rank, spec.world_size)
     if spec.backend == "nccl":
+        nccl_environment(spec.timeout_s)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        backend = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
-        kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
+        options.config.blocking = 0
+        with _environment(BLOCKING_WAIT_ENV, "1"):
+            backend = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
+        kind = dist.ProcessGroup.BackendType.NCCL
+        device = torch.device("cuda", torch.cuda.current_device())
     elif spec.backend == "gloo":
         backend = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
         kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
@@ -152,5 +202,13 @@ def open_weight_group(
         raise ValueError(f"weight group backend {spec.backend!r}: valid are nccl, gloo")
     backend._set_sequence_number_for_group()
     group._set_default_backend(kind)
-    group._register_backend(device, kind, backend)
-    return WeightGroup(group, store, spec)
+    group._register_backend(torch.device(device.type), kind, backend)
+    joined = WeightGroup(group, store, spec)
+    try:
+        if spec.backend == "nccl":
+            backend.eager_connect_single_device(device)
+        joined.broadcast(torch.zeros(1, device=device), 0).wait()  # the warm-up
+    except BaseException:
+        joined.close()
+        raise
+    return joined
