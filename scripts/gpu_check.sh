@@ -4,10 +4,13 @@
 # and a summary line (FSDP2 bf16 step, checkpoint from/to the GPU, the default job learning
 # with both roles on one GPU, its weight sync through host memory, the GPU-binding function
 # under a fake 8-GPU node, one PPO update of a Qwen2.5-7B-architecture model at the 7B
-# recipe's token budget with its peak memory against memory.py's arithmetic, and the memory
-# check of the 7B recipe at this GPU's size). Then, only if vLLM is importable,
-# scripts/gpu_check.py (vLLM on the GPU, fed through the weight group). Exit 0 only if
-# everything that ran passed; 2 (one line) without CUDA.
+# recipe's token budget with its peak memory against memory.py's arithmetic, the memory
+# check of the 7B recipe at this GPU's size, and the NCCL weight group's failures: a peer
+# that never arrives, a member killed mid-sync (two GPUs), the in-flight sync's stream
+# beside a busy training stream). Then, only if vLLM is importable, scripts/gpu_check.py
+# (vLLM on the GPU, fed through the weight group, each sync checked against the sender's
+# digest and transformers' greedy log-probs). Exit 0 only if everything that ran passed;
+# 2 (one line) without CUDA.
 #
 #     bash scripts/gpu_check.sh            (PYTHON=... to choose the interpreter)
 #
