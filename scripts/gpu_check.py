@@ -77,26 +77,19 @@ def main() -> int:
 
 
 def qwen2(work: Path, tied: bool) -> Path:
-    """A random Qwen2 (4 layers of 256, 4 heads of 64, 2 KV heads) with the default task's
-    tokenizer; ``tied``: the LM head is the embedding."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
+    """A random Qwen2 (4 layers of 256, 4 heads of 64, 2 KV heads, bf16) with the default
+    task's tokenizer; ``tied``: the LM head is the embedding."""
     from hpc_asyncppo.config import DataConfig
-    from hpc_asyncppo.models.tiny import build_tokenizer
+    from hpc_asyncppo.models.tiny import build_tiny_qwen2
     from hpc_asyncppo.tasks import load_task
 
     out = work / ("qwen2_tied" if tied else "qwen2_untied")
-    tokenizer = build_tokenizer(load_task(DataConfig()).vocabulary())
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=tied, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    words = load_task(DataConfig()).vocabulary()
+    return build_tiny_qwen2(
+        out, words, tied, seed=3, dtype="bfloat16", hidden_size=256, intermediate_size=512,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512,
     )  # fmt: skip
-    torch.manual_seed(3)
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.checkpoint.protocol import write_trainer_part
@@ -29,7 +29,7 @@ from hpc_asyncppo.config import (
     to_yaml,
 )
 from hpc_asyncppo.export import INDEX
-from hpc_asyncppo.models.tiny import build_tokenizer
+from hpc_asyncppo.models.tiny import build_tiny_qwen2
 from hpc_asyncppo.paths import HF_FINAL
 from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.policy import Policy, trainer_states
@@ -42,23 +42,7 @@ STEPS = 6
 
 def qwen2_model(out: Path, tied: bool, **size: int) -> Path:
     """A random Qwen2 with the default task's tokenizer (2 heads of 32: vLLM's CPU kernels)."""
-    tokenizer = build_tokenizer(load_task(DataConfig()).vocabulary())
-    shape = dict(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1,
-    )  # fmt: skip
-    config = Qwen2Config(
-        **{**shape, **size},
-        max_position_embeddings=256,
-        tie_word_embeddings=tied,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return build_tiny_qwen2(out, load_task(DataConfig()).vocabulary(), tied, seed=0, **size)
 
 
 def export(*args: str | Path) -> subprocess.CompletedProcess:

@@ -89,6 +89,39 @@ def build_tiny_model(
     return out_dir
 
 
+def build_tiny_qwen2(
+    out_dir: str | Path, words: list[str], tied: bool, seed: int, dtype: str = "float32",
+    **shape: int,
+) -> Path:  # fmt: skip
+    """Write a randomly initialised small Qwen2 (the Qwen2.5 recipes' architecture: q/k/v
+    biases, grouped KV heads; ``tied``: the LM head is the embedding) and the word-level
+    tokenizer over ``words`` to ``out_dir``. ``shape``: ``Qwen2Config`` sizes over the
+    defaults (2 layers of 64, 2 heads of 32 and 1 KV head: vLLM's CPU kernels take heads
+    of 32; the vocabulary the tokenizer's)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer(words)
+    sizes = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+    )  # fmt: skip
+    config = Qwen2Config(
+        **{**sizes, **shape},
+        tie_word_embeddings=tied,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
 def tiny_model(
     out_dir: str | Path,
     words: list[str],

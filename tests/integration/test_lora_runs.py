@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from hpc_asyncppo.checkpoint import protocol
 from hpc_asyncppo.config import DataConfig, load_resolved
 from hpc_asyncppo.models import lora
-from hpc_asyncppo.models.tiny import build_tokenizer
+from hpc_asyncppo.models.tiny import build_tiny_qwen2
 from hpc_asyncppo.runlog import read_jsonl
 from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.policy import Policy
@@ -32,17 +32,7 @@ LORA = ["actor.lora_rank=4", "actor.lora_alpha=8", "actor.lr=1e-2"]
 
 def qwen2_model(out: Path) -> Path:
     """A random Qwen2 (q/k/v biases: a merged weight beside a bias the sync leaves alone)."""
-    tokenizer = build_tokenizer(load_task(DataConfig()).vocabulary())
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-        tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return build_tiny_qwen2(out, load_task(DataConfig()).vocabulary(), tied=False, seed=0)
 
 
 @pytest.fixture(scope="module")
