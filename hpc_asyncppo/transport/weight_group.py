@@ -34,8 +34,9 @@ Bounded on both backends, so that a failure is one error on one code path:
   which ``Work.wait`` blocks until completion or ``timeout_s``, aborts the communicator on
   a timeout or an error and raises ``DistBackendError``: a RuntimeError, as gloo's
   failures are, which the sync's recovery catches on both backends.
-These NCCL settings follow torch 2.13's ProcessGroupNCCL as read, not as run: the suite
-runs gloo, and ``scripts/gpu_check.sh`` checks the NCCL side (README, "Known limits").
+These NCCL settings follow torch's documented variables and its non-blocking
+communicators; they have not run here: the suite runs gloo, and ``scripts/gpu_check.sh``
+checks the NCCL side (README, "Known limits").
 """
 
 from __future__ import annotations
