@@ -34,10 +34,12 @@ Bounded on both backends, so that a failure is one error on one code path:
   which ``Work.wait`` blocks until completion or ``timeout_s``, aborts the communicator on
   a timeout or an error and raises ``DistBackendError``: a RuntimeError, as gloo's
   failures are, which the sync's recovery catches on both backends.
-These NCCL settings follow torch's documented variables and its non-blocking
-communicators; they have not run here: the suite runs gloo, and ``scripts/gpu_check.sh``
-checks the NCCL side (README, "Known limits").
-"""
+As read in ProcessGroupNCCL's source (a 2025 main, not 2.13's own text): both variables
+are read per backend except the non-blocking timeout (once per process); under blocking
+wait no watchdog runs for the backend, so none can end the process; a non-blocking
+communicator made eagerly is waited for at the first collective (the warm-up). None of
+this has run here: the suite runs gloo, and ``scripts/gpu_check.sh`` checks the NCCL side
+(README, "Known limits")."""
 
 from __future__ import annotations
 
