@@ -16,6 +16,11 @@ rank's GPUs include the trainer leader's, on a one-GPU workstation), it uses glo
 host memory instead; trainer ranks sharing a GPU are refused with an error saying so.
 Every group is bounded by a timeout: the trainer group and the default group by
 ``timeout_s`` (``timeouts.weight_sync_s``), the weight group likewise.
+
+The ranks meet first in a barrier polled with sleeps (``transport/waits.py``), bounded by
+the same timeout: ranks finish their imports seconds apart (more under Slurm, where the
+components start apart), and Open MPI's blocking collectives spin a core while they wait,
+taking it from the ranks still importing on a shared node.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from hpc_asyncppo.transport.waits import wait_request
 from hpc_asyncppo.transport.weight_group import (
     WeightGroupSpec,
     group_size,
@@ -126,6 +132,7 @@ def build_topology(rollout_ranks: int, timeout_s: float, workers_per_rank: int =
         raise RuntimeError(
             f"{size} ranks cannot hold {rollout_ranks} rollout ranks and >= 1 trainer rank"
         )
+    wait_request(world.Ibarrier(), timeout_s, f"every one of the job's {size} ranks to start")
     role = role_of(rank, rollout_ranks)
     local = world.Split(0 if role == ROLLOUT else 1, rank)
     remote_leader = rollout_ranks if role == ROLLOUT else 0
