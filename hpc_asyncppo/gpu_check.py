@@ -539,6 +539,59 @@ def check_side_stream_sync(device: torch.device, work: Path) -> str:
     return f"sync {sync_s:.3f} s on the side thread (no streams on the CPU)"
 
 
+def check_lora_merge(device: torch.device, work: Path) -> str:
+    """LoRA syncs into the transformers engine on this device (a random Qwen2.5-3B
+    architecture on a GPU): the first reads the targeted base weights from the model's
+    files, the next merges from the base it holds, with the folder gone; each merged weight
+    is base + B @ A computed on the device. Timed against a full sync of the same model."""
+    from hpc_asyncppo.config import ModelConfig, RolloutConfig
+    from hpc_asyncppo.models import lora
+    from hpc_asyncppo.rollout.hf_engine import HFEngine
+
+    folder = random_qwen(work, "3B" if device.type == "cuda" else "tiny")
+    engine = HFEngine(ModelConfig(path=str(folder), dtype="bfloat16"), RolloutConfig(), device)
+    base = {n: p.detach().clone() for n, p in engine.named_parameters()}
+
+    def adapters(seed: int) -> dict[str, torch.Tensor]:  # rank 8 on every projection
+        g = torch.Generator(device=device).manual_seed(seed)
+        out = {}
+        for name, p in base.items():
+            if name.endswith("_proj.weight"):
+                module = name.removesuffix(".weight")
+                out[module + lora.LORA_A] = torch.randn((8, p.shape[1]), generator=g, device=device)
+                out[module + lora.LORA_B] = (
+                    torch.randn((p.shape[0], 8), generator=g, device=device) / 100
+                )
+        return out
+
+    def timed(load: Callable[[], None]) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.monotonic()
+        load()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.monotonic() - start
+
+    full_s = timed(lambda: engine.load_weights(base, version=1))
+    first_s = timed(lambda: engine.load_weights(adapters(1), version=2))
+    away = folder.with_name(folder.name + ".away")
+    folder.rename(away)
+    try:
+        second = adapters(2)
+        lora_s = timed(lambda: engine.load_weights(second, version=3))
+    finally:
+        away.rename(folder)
+    merged = dict(lora.merged_weights(second, base.items(), base[next(iter(base))].dtype))
+    for name, param in engine.named_parameters():
+        assert torch.equal(param, merged.get(name, base[name])), name
+    gb = engine.base.held_bytes / 1e9
+    return (
+        f"LoRA sync {lora_s:.3f} s from the held base ({gb:.1f} GB; the first, reading it, "
+        f"{first_s:.3f} s) against a full sync {full_s:.3f} s; {len(merged)} weights merged"
+    )
+
+
 CHECKS: dict[str, Callable[[torch.device, Path], str]] = {
     "gpu_binding": check_gpu_binding,
     "fsdp2_step": check_fsdp2_step,
@@ -550,6 +603,7 @@ CHECKS: dict[str, Callable[[torch.device, Path], str]] = {
     "weight_group_peer_missing": check_weight_group_peer_missing,
     "weight_sync_peer_dies": check_weight_sync_peer_dies,
     "side_stream_sync": check_side_stream_sync,
+    "lora_merge": check_lora_merge,
 }
 
 

@@ -13,6 +13,13 @@ members are the engine's workers, the job's own code on both sides (``WeightBroa
 - ``raw``: one gloo broadcast of one flat tensor of the same bytes from this process to
   ``--tp`` plain processes (no vLLM): the wire alone.
 
+With ``--lora RANK``, then ``lora``: syncs of LoRA adapters of that rank on ``--targets``
+(``models/lora.py``; alternating with full syncs, each timed), as a LoRA run makes them:
+only the adapters cross, each worker merges them into the base (read from the model's
+files at the first, then held) and reloads the layers they change. Printed beside the full
+sync: the bytes on the wire, the first and the later LoRA syncs' times, the tensors each
+worker loaded and the base it holds.
+
 Then ``pause``: requests are generating (``--requests`` at a time, 64 tokens each) when a
 sync comes; the engine's steps before it and the gap the sync leaves are timed, as the
 rollout loop sees them (interrupt, update, resubmission of the cut requests: partial
@@ -20,6 +27,7 @@ rollout). Printed: medians and the ratios, measured side by side.
 
     python scripts/bench_vllm_sync.py                    # 512 x 8 (~100 MB fp32), TP 1
     python scripts/bench_vllm_sync.py --tp 2 --repeats 3
+    python scripts/bench_vllm_sync.py --lora 8 --targets q_proj,v_proj
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hpc_asyncppo.config import DataConfig, ModelConfig, RolloutConfig, TinyModelConfig
+from hpc_asyncppo.models import lora
 from hpc_asyncppo.models.tiny import build_tiny_model
 from hpc_asyncppo.tasks import load_task
 
@@ -60,6 +69,53 @@ def _raw_receiver(rank: int, port: int, world: int, nbytes: int, repeats: int) -
     dist.destroy_process_group()
 
 
+def adapters_of(weights: dict, rank: int, targets: str) -> dict[str, torch.Tensor]:
+    """Random LoRA adapters as a sync carries them (fp32, wire names) on ``targets``
+    (``all-linear``: every projection; or module names, comma-separated)."""
+    g = torch.Generator().manual_seed(0)
+    wanted = None if targets == "all-linear" else set(targets.split(","))
+    adapters = {}
+    for name, t in weights.items():
+        module = name.removesuffix(".weight")
+        last = module.rsplit(".", 1)[-1]
+        if name.endswith("_proj.weight") and (wanted is None or last in wanted):
+            adapters[module + lora.LORA_A] = torch.randn((rank, t.shape[1]), generator=g) / 100
+            adapters[module + lora.LORA_B] = torch.randn((t.shape[0], rank), generator=g) / 100
+    return adapters
+
+
+def lora_syncs(engine, weights: dict, args: argparse.Namespace) -> None:
+    """LoRA syncs alternating with full ones, each timed; printed side by side."""
+    adapters = adapters_of(weights, args.lora, args.targets)
+    wire = sum(t.numel() * t.element_size() for t in adapters.values())
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    times: dict[str, list[float]] = {"lora": [], "full": []}
+    for i in range(args.repeats + 1):  # the first LoRA sync reads the base
+        for name, tensors in (("lora", adapters), ("full", weights)):
+            start = time.monotonic()
+            engine.load_weights(tensors, version=1000 + 2 * i + (name == "full"))
+            times[name].append(time.monotonic() - start)
+            if name == "lora":
+                workers = engine.last_sync()
+    first, later = times["lora"][0], statistics.median(times["lora"][1:])
+    full = statistics.median(times["full"])
+    print(
+        f"LoRA rank {args.lora} on {args.targets}: {wire / 2**20:.1f} MiB of adapters on the "
+        f"wire ({wire / nbytes:.3f} of the model)"
+    )
+    print(
+        f"lora first {first:.3f} s (reads the base), later median {later:.3f} s "
+        f"({' '.join(f'{t:.3f}' for t in times['lora'][1:])}); full median {full:.3f} s; "
+        f"lora/full: {later / full:.2f}x"
+    )
+    if "base_bytes" in workers[0]:  # (not reported before the base was held)
+        print(
+            f"each worker loaded {workers[0]['tensors_loaded']} of {len(weights)} tensors and "
+            f"holds a base of {workers[0]['base_bytes'] / 2**20:.0f} MiB "
+            f"({workers[0]['base_bytes'] / nbytes:.2f} of the model)"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", type=int, default=512)
@@ -68,6 +124,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--bucket-mb", type=float, default=16.0)
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank (0: no LoRA syncs)")
+    parser.add_argument("--targets", default="all-linear", help="LoRA target modules")
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="bench_vllm_sync_"))
@@ -128,6 +186,8 @@ def main() -> None:
         times["raw"].append(time.monotonic() - start)
     for p in receivers:
         p.join()
+    if args.lora:
+        lora_syncs(engine, weights, args)
 
     prompt = engine.encode("1 2 3 4 =")
     steps: list[float] = []

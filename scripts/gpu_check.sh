@@ -7,7 +7,8 @@
 # recipe's token budget with its peak memory against memory.py's arithmetic, the memory
 # check of the 7B recipe at this GPU's size, and the NCCL weight group's failures: a peer
 # that never arrives, a member killed mid-sync (two GPUs), the in-flight sync's stream
-# beside a busy training stream). Then, only if vLLM is importable, scripts/gpu_check.py
+# beside a busy training stream) and LoRA syncs merged on the GPU from a base read once.
+# Then, only if vLLM is importable, scripts/gpu_check.py
 # (vLLM on the GPU, fed through the weight group, each sync checked against the sender's
 # digest and transformers' greedy log-probs). Exit 0 only if everything that ran passed;
 # 2 (one line) without CUDA.

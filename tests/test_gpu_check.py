@@ -31,6 +31,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "weight_group_peer_missing",
         "weight_sync_peer_dies",
         "side_stream_sync",
+        "lora_merge",
     ],
 )
 def test_check_runs_on_the_cpu(name: str, work: Path) -> None:

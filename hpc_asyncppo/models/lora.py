@@ -10,9 +10,10 @@ A sync carries only the adapters (``wire_name``: ``<module>.lora_A.weight`` and
 ``<module>.lora_B.weight``, fp32, B already multiplied by alpha / rank): a few megabytes
 where the model is gigabytes. Every rollout engine applies them the same way
 (``merged_weights``): each targeted weight becomes base + B @ A, computed in fp32 from the
-base read out of the model's safetensors files (memory-mapped: a node's page cache holds
-them once) and cast to ``model.dtype``; the engine then loads those weights as it loads a
-full sync. Generation therefore runs at the base model's speed (no adapter kernels), and
+base (read from the model's safetensors files at the first sync, then held in host memory:
+``BaseWeights``) and cast to ``model.dtype``; the engine then loads those weights as it
+loads a full sync, and only them: a vLLM worker reloads the layers the adapters change
+(``layer_tensors``), the others keep their weights. Generation therefore runs at the base model's speed (no adapter kernels), and
 the HF and vLLM engines share this code; only the load differs (a parameter's copy, or
 vLLM's loader).
 
@@ -129,8 +130,8 @@ def merged_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights the adapters make of the base: for each base tensor (name, tensor, in
     the files' names) that has adapters, base + B @ A in fp32, cast to ``dtype``;
-    ``everything``: the others too, as they are (an engine whose loader wants whole
-    layers). Raises ValueError when an adapter has no base tensor, or half of one came."""
+    ``everything``: the other tensors of ``base`` too, as they are (an engine whose loader
+    wants whole layers: ``layer_tensors``). Raises ValueError when an adapter has no base tensor, or half of one came."""
     modules = {n[: -len(LORA_A)] for n in adapters if n.endswith(LORA_A)}
     halves = {n[: -len(LORA_B)] for n in adapters if n.endswith(LORA_B)}
     if modules != halves or len(adapters) != 2 * len(modules):
@@ -142,8 +143,8 @@ def merged_weights(
         module = name[: -len(".weight")] if name.endswith(".weight") else None
         if module in modules:
             a, b = adapters[module + LORA_A], adapters[module + LORA_B]
-            # one fp32 copy of the base, B @ A added into it (a copy: the base may be a
-            # read-only memory map already in fp32)
+            # one fp32 copy of the base, B @ A added into it (a copy: the base is held
+            # for the next sync, and may already be fp32)
             full = tensor.to(a.device, torch.float32, copy=True)
             full.addmm_(b.float(), a.float())
             merged.add(module)
@@ -156,18 +157,55 @@ def merged_weights(
         )
 
 
+def layer_tensors(names: Iterable[str], modules: Iterable[str], packed: dict) -> list[str]:
+    """The tensors (of ``names``, the files' names, in their order) of every layer that a
+    LoRA module (``<prefix>.q_proj``) belongs to in an engine that fuses modules into one
+    layer (``packed``: vLLM's ``packed_modules_mapping``, ``{"qkv_proj": ["q_proj",
+    "k_proj", "v_proj"], ...}``): such an engine loads a layer whole or not at all, so a
+    targeted ``q_proj`` brings its ``k_proj`` and ``v_proj`` weights and every bias."""
+    siblings = {member: group for group in packed.values() for member in group}
+    wanted = set()
+    for module in modules:
+        prefix, _, last = module.rpartition(".")
+        for member in siblings.get(last, [last]):
+            wanted.add(f"{prefix}.{member}" if prefix else member)
+    return [name for name in names if name.rsplit(".", 1)[0] in wanted]
+
+
 class BaseWeights:
-    """The base model's tensors from its safetensors files, one at a time (memory-mapped),
-    for the rollout side of a LoRA sync."""
+    """The base model's tensors for the rollout side of a LoRA sync: read from its
+    safetensors files the first time a sync needs them, then held in this process's host
+    memory, so that later syncs merge from here and never read the files again (on a
+    cluster they sit on the parallel filesystem, which eight workers a node would read at
+    every sync). An engine that restarts reads them once more.
+
+    What it holds: every tensor ``read`` has been asked for, in the files' dtype
+    (``held_bytes``): the targeted weights (the transformers engine), or every tensor of the
+    layers they belong to (a vLLM worker: ``layer_tensors``), in each process that merges:
+    with peft's all-linear, most of the model per worker."""
 
     def __init__(self, path: str | Path):
         from hpc_asyncppo.models.safetensors_weights import SafetensorsWeights
 
         self.files = SafetensorsWeights(path)
+        self.held: dict[str, torch.Tensor] = {}
+
+    def names(self) -> list[str]:
+        """Every tensor of the base, in the files' order."""
+        return list(self.files.files)
 
     def read(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of ``names`` (default: all), from memory, from the files the first
+        time. The tensors are the held ones: read them, never write into them."""
         for name in self.files.files if names is None else names:
-            yield name, self.files.read(name, None)
+            tensor = self.held.get(name)
+            if tensor is None:
+                tensor = self.held[name] = self.files.read(name, None)
+            yield name, tensor
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.held.values())
 
 
 def base_identity(path: str | Path) -> str:

@@ -64,9 +64,12 @@ class HFEngine:
         self.model.eval()
         self._params = dict(self.model.named_parameters())
         self.model_path = model.path
-        # LoRA (models/lora.py): the base's files, and the adapters of the last sync
+        # LoRA (models/lora.py): the base of the targeted weights (read from the files at
+        # the first sync, then held: their bytes again in host memory), and the adapters
+        # of the last sync
         self.base: lora.BaseWeights | None = None
         self.adapters: dict[str, torch.Tensor] | None = None
+        self.merged: list[str] = []  # the weights holding adapters
         self.receiver: WeightReceiver | None = None  # the weight group's, once joined
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = (
@@ -241,7 +244,7 @@ class HFEngine:
             self.load_adapters(specs, buckets, version)
             return
         self.check_weights(specs)
-        self.adapters = None
+        self.adapters, self.merged = None, []
         params = dict(self.model.named_parameters())
         loaded: set[str] = set()
         for bucket in buckets:
@@ -265,8 +268,9 @@ class HFEngine:
         version: int,
     ) -> None:
         """A LoRA sync: the adapters (kept: a few megabytes, and what the digest covers),
-        then each targeted weight set to base + B @ A from the base's files. Whole or not
-        at all: nothing is loaded before every adapter has come."""
+        then each targeted weight set to base + B @ A, the base read from the model's files
+        at the first sync and held (``lora.BaseWeights``). Whole or not at all: nothing is
+        loaded before every adapter has come."""
         names = {name for name, _, _ in specs}
         adapters = {n: t.clone() for bucket in buckets for n, t in bucket.items()}
         if set(adapters) != names:
@@ -278,8 +282,12 @@ class HFEngine:
         if missing:
             raise ValueError(f"LoRA sync: the rollout model has no weight {missing[0]!r}")
         dtype = next(iter(self._params.values())).dtype
-        for name, merged in lora.merged_weights(adapters, self.base.read(targets), dtype):
-            self._params[name].copy_(merged)
+        # a weight that an earlier sync's adapters changed and this one's do not: its base
+        weights = targets + [n for n in self.merged if n not in set(targets)]
+        merged = lora.merged_weights(adapters, self.base.read(weights), dtype, everything=True)
+        for name, tensor in merged:
+            self._params[name].copy_(tensor)
+        self.merged = targets
         self.adapters = adapters
         self.version = version
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import gc
+import logging
 import os
 import signal
 import sys
@@ -91,6 +92,10 @@ class WeightGroupEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
             self.group, 0, spec.bucket_device(self.device), target=self.device
         )
         self.last: dict = {}
+        # a LoRA sync's base, read once: kept when the group meets anew after a restart
+        self.base: lora.BaseWeights | None = getattr(self, "base", None)
+        self.lora_sync = False  # whether the sync in progress carries adapters
+        self.merged: set[str] = getattr(self, "merged", set())  # tensors holding adapters
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -100,18 +105,31 @@ class WeightGroupEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        # A LoRA sync loads only the layers its adapters change; vLLM puts the others'
+        # weights back and warns for each ("Failed to load weights"), as it would for a
+        # full sync that missed a layer: that warning stays for full syncs only.
+        reload_log = logging.getLogger(finalize_layerwise_reload.__module__)
+        level = reload_log.level
+        if self.lora_sync:
+            reload_log.setLevel(logging.ERROR)
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        finally:
+            reload_log.setLevel(level)
 
     def receive_weights(self, update_info: GroupUpdateInfo) -> None:
         start = time.monotonic()
         incoming = self.receiver.receive()
         check_version(update_info.version, incoming.version, f"weight-group rank {self.rank}")
         digest = WeightDigest() if update_info.digest else None
-        loading = 0.0
+        loading, loaded = 0.0, 0
         buckets, each = incoming.buckets(keep=True), digest
-        if any(lora.is_wire_adapter(name) for name, _, _ in incoming.specs()):
+        self.lora_sync = any(lora.is_wire_adapter(name) for name, _, _ in incoming.specs())
+        if self.lora_sync:
             buckets = self.merged_buckets(buckets, digest)  # digests what the leader sent
             each = None
+        else:
+            self.merged = set()  # every layer loads its sent weights
         for bucket in buckets:
             if each is not None:
                 for name, tensor in bucket.items():
@@ -119,6 +137,7 @@ class WeightGroupEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
             began = time.monotonic()
             self.model.load_weights(list(bucket.items()))
             loading += time.monotonic() - began
+            loaded += len(bucket)
         self.last = {
             "version": incoming.version,
             "rank": self.rank,
@@ -126,26 +145,37 @@ class WeightGroupEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
             "seconds": time.monotonic() - start,
             "load_s": loading,  # in vLLM's loader (and the layers it processed meanwhile)
             "peak_bytes": self.receiver.peak_bytes,
+            "base_bytes": self.base.held_bytes if self.base is not None else 0,
+            "tensors_loaded": loaded,
         }
 
     def merged_buckets(
         self, buckets: Iterator[dict[str, torch.Tensor]], digest: WeightDigest | None
     ) -> Iterator[dict[str, torch.Tensor]]:
-        """A LoRA sync (``models/lora.py``): every adapter first (megabytes), then the whole
-        model in the base files' order, each targeted weight merged (base + B @ A): vLLM's
-        layerwise reload processes a layer once all of its tensors came, so a sync that
-        loaded only the targeted weights would leave layers (a bias beside a merged weight)
-        half-loaded. Only the adapters crossed the network; the base is read from the
-        model's files here, one tensor at a time."""
+        """A LoRA sync (``models/lora.py``): every adapter first (megabytes), then each
+        layer the adapters change, whole, in the base files' order: each targeted weight
+        merged (base + B @ A), the rest of its layer (the fused siblings of a ``q_proj``,
+        the biases) as the base has it. vLLM's layerwise reload processes a layer once all
+        of its tensors came, and puts back the weights of a layer that got none: the other
+        layers are not touched. Only the adapters crossed the network; the base is read
+        from the model's files at the first LoRA sync and held here (``BaseWeights``: the
+        changed layers' full tensors, in this worker's host memory)."""
         adapters: dict[str, torch.Tensor] = {}
         for bucket in buckets:
             adapters.update(bucket)
         if digest is not None:
             for name, tensor in adapters.items():
                 digest.add(name, tensor)
-        base = lora.BaseWeights(self.model_config.model)
+        if self.base is None:
+            self.base = lora.BaseWeights(self.model_config.model)
+        modules = [name[: -len(".weight")] for name in lora.base_targets(adapters)]
+        packed = getattr(self.model, "packed_modules_mapping", None) or {}
+        changed = set(lora.layer_tensors(self.base.names(), modules, packed))
+        # a layer that an earlier sync's adapters changed and this one's do not: its base
+        names = [name for name in self.base.names() if name in changed | self.merged]
+        self.merged = changed
         merged = lora.merged_weights(
-            adapters, base.read(), self.model_config.dtype, everything=True
+            adapters, self.base.read(names), self.model_config.dtype, everything=True
         )
         for name, tensor in merged:
             yield {name: tensor}
@@ -166,8 +196,9 @@ class WorkerExtension:
 
     def hpc_asyncppo_last_sync(self) -> dict:
         """The last sync this worker received: version, its weight-group rank, digest
-        (with ``digest`` asked for), seconds (of which ``load_s`` in vLLM's loader) and peak
-        bucket-buffer bytes."""
+        (with ``digest`` asked for), seconds (of which ``load_s`` in vLLM's loader), peak
+        bucket-buffer bytes, the tensors it handed to vLLM's loader, and the bytes of a
+        LoRA base it holds."""
         return dict(self.weight_transfer_engine.last)
 
 

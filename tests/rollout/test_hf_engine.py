@@ -1,9 +1,12 @@
 import dataclasses
+import shutil
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from hpc_asyncppo.config import Config, ModelConfig, RolloutConfig
+from hpc_asyncppo.models import lora
 from hpc_asyncppo.rollout.generation import response_lengths
 from hpc_asyncppo.rollout.hf_engine import HFEngine, left_pad
 from hpc_asyncppo.trainer.policy import Policy
@@ -102,3 +105,41 @@ def test_greedy_groups_are_the_argmax_and_run_beside_sampled_ones(tiny_model_dir
     with torch.no_grad():
         logits = engine.model(torch.tensor([prompt + response])).logits[0]
     assert logits[len(prompt) - 1 : len(prompt) - 1 + length].argmax(-1).tolist() == response
+
+
+def random_adapters(engine: HFEngine, modules: tuple[str, ...], seed: int) -> dict:
+    """LoRA adapters as a sync carries them (fp32, B scaled), for the engine's weights whose
+    module name ends in one of ``modules``."""
+    g = torch.Generator().manual_seed(seed)
+    adapters = {}
+    for name, p in engine.named_parameters():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in modules:
+            adapters[module + lora.LORA_A] = torch.randn((4, p.shape[1]), generator=g)
+            adapters[module + lora.LORA_B] = torch.randn((p.shape[0], 4), generator=g) / 10
+    return adapters
+
+
+def test_lora_syncs_merge_from_a_base_read_once_and_a_narrower_one_restores_the_rest(
+    tiny_model_dir, tmp_path
+):
+    """The first LoRA sync reads the targeted base weights from the model's files and holds
+    them (their bytes, counted); the next merges from memory: the files are gone by then.
+    Its adapters target fewer modules than the first's, and the weights only the first
+    changed get their base back: the engine holds base + B @ A of the last sync exactly."""
+    folder = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+    cfg = dataclasses.replace(Config(), model=ModelConfig(path=str(folder)))
+    engine = HFEngine(cfg.model, cfg.rollout, CPU)
+    base = {name: p.detach().clone() for name, p in engine.named_parameters()}
+    wide = random_adapters(engine, ("q_proj", "v_proj", "down_proj"), seed=1)
+    engine.load_weights(wide, version=1)
+    targets = lora.base_targets(wide)
+    assert engine.base.held_bytes == sum(base[n].numel() * base[n].element_size() for n in targets)
+    for path in folder.glob("*.safetensors"):
+        path.unlink()
+    narrow = random_adapters(engine, ("q_proj",), seed=2)
+    engine.load_weights(narrow, version=2)
+    expected = dict(lora.merged_weights(narrow, base.items(), torch.float32))
+    assert set(expected) < set(targets)
+    for name, param in engine.named_parameters():
+        assert torch.equal(param, expected.get(name, base[name])), name

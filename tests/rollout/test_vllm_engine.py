@@ -222,36 +222,64 @@ def check_updates(engine, policy, model_dir, log_probs_of) -> None:
         assert said.startswith(f"v{version}: {TP} workers' digests equal the sender's"), said
 
 
-def test_a_lora_sync_carries_adapters_and_the_workers_generate_with_them(
-    engine, model_dir, log_probs_of
-):
-    """A LoRA sync (``models/lora.py``) into both TP workers: only the adapters cross (the
-    workers' digests are the adapters'), each worker merges them into the base it reads
-    from the model's files and reloads the model; the sampled log-probs then equal the
-    trainer's forward with the adapters applied (and not the base's)."""
-    from hpc_asyncppo.models import lora
-
+def lora_policy(model_dir: Path, targets: str, seed: int) -> Policy:
+    """A trainer policy with LoRA adapters on ``targets``, their B random (it starts at
+    zero): adapters with an effect."""
     cfg = make_cfg(model_dir, 0.7)
-    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, lora_rank=4))
-    policy = Policy(cfg, CPU)
-    gen = torch.Generator().manual_seed(41)
+    actor = dataclasses.replace(cfg.actor, lora_rank=4, target_modules=targets)
+    policy = Policy(dataclasses.replace(cfg, actor=actor), CPU)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in policy.model.named_parameters():
-            if ".lora_B." in name:  # B starts at zero: give the adapters an effect
+            if ".lora_B." in name:
                 local = p.to_local() if isinstance(p, DTensor) else p
                 local.add_(0.5 * torch.randn(local.shape, generator=gen))
-    adapters = {n: t.clone() for n, t in policy.named_weights()}
-    assert adapters and all(lora.is_wire_adapter(n) for n in adapters)
-    update = engine.load_weights(adapters, version=7, digest=True)
-    assert update.digests == [weights_digest(list(adapters.items()))] * TP
-    prompts = prompts_for(engine)
-    gens = engine.generate(prompts, N)
-    lp, rollout_lp, mask = log_probs_of(policy, prompts, gens, engine.pad_id)
-    diff = (lp - rollout_lp).abs()[mask]
-    assert diff.max().item() < TOLERANCE, f"max diff {diff.max().item()}"
-    with lora.adapters_disabled(policy.model):
-        base_lp, _, _ = log_probs_of(policy, prompts, gens, engine.pad_id)
-    assert (base_lp - rollout_lp).abs()[mask].max().item() > 0.1  # the adapters count
+    return policy
+
+
+def test_lora_syncs_carry_adapters_and_reload_only_the_layers_they_change(
+    engine, model_dir, log_probs_of
+):
+    """LoRA syncs (``models/lora.py``) into both TP workers: only the adapters cross (the
+    workers' digests are the adapters'); each worker merges them into the base, read from
+    the model's files at the first LoRA sync and held, and reloads the layers they change;
+    the sampled log-probs then equal the trainer's forward with the adapters applied (and
+    not the base's). Then adapters on q_proj alone, twice, the model's files gone: the
+    first gives the layers that only the earlier adapters changed their base back, the
+    second reloads the fused q/k/v layers alone, and vLLM keeps every other layer's
+    weights (its CPU build repacks them: put back, not reloaded)."""
+    from hpc_asyncppo.models import lora
+
+    def check(policy: Policy, version: int) -> list[dict]:
+        adapters = {n: t.clone() for n, t in policy.named_weights()}
+        assert adapters and all(lora.is_wire_adapter(n) for n in adapters)
+        update = engine.load_weights(adapters, version=version, digest=True)
+        assert update.digests == [weights_digest(list(adapters.items()))] * TP
+        prompts = prompts_for(engine)
+        gens = engine.generate(prompts, N)
+        lp, rollout_lp, mask = log_probs_of(policy, prompts, gens, engine.pad_id)
+        diff = (lp - rollout_lp).abs()[mask]
+        assert diff.max().item() < TOLERANCE, f"v{version}: max diff {diff.max().item()}"
+        with lora.adapters_disabled(policy.model):
+            base_lp, _, _ = log_probs_of(policy, prompts, gens, engine.pad_id)
+        assert (base_lp - rollout_lp).abs()[mask].max().item() > 0.1  # the adapters count
+        return engine.last_sync()
+
+    every = check(lora_policy(model_dir, "all-linear", seed=41), version=7)
+    layers = TinyModelConfig().num_layers
+    assert {w["tensors_loaded"] for w in every} == {7 * layers}  # q k v o gate up down
+    narrow = lora_policy(model_dir, "q_proj", seed=42)
+    files = {path: path.read_bytes() for path in model_dir.glob("*.safetensors")}
+    for path in files:
+        path.unlink()
+    try:
+        assert {w["tensors_loaded"] for w in check(narrow, version=8)} == {7 * layers}
+        workers = check(narrow, version=9)
+        assert {w["tensors_loaded"] for w in workers} == {3 * layers}  # q k v
+        assert all(w["base_bytes"] == every[0]["base_bytes"] > 0 for w in workers)
+    finally:
+        for path, data in files.items():
+            path.write_bytes(data)
 
 
 def test_every_worker_loads_the_senders_weights_and_this_process_keeps_no_copy(engine, model_dir):

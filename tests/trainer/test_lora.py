@@ -170,3 +170,19 @@ def test_a_sync_with_an_unpaired_adapter_is_refused(tiny_model_dir):
     base = lora.BaseWeights(tiny_model_dir)
     with pytest.raises(ValueError, match="unpaired"):
         list(lora.merged_weights(sent, base.read(), torch.float32))
+
+
+def test_a_targeted_module_brings_the_rest_of_its_fused_layer_and_nothing_else():
+    """vLLM loads a layer whole: ``q_proj`` is part of ``qkv_proj``, so a q_proj adapter's
+    sync carries q, k and v (weights and biases, Qwen2's layout); ``down_proj`` is a layer of
+    its own; untouched layers (``o_proj``, the MLP's gate and up, the norm) stay out."""
+    attention = [
+        f"model.layers.0.self_attn.{m}_proj.{k}" for m in "qkv" for k in ("weight", "bias")
+    ]
+    mlp = [f"model.layers.0.mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
+    names = [*attention, "model.layers.0.self_attn.o_proj.weight", *mlp, "model.norm.weight"]
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    modules = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"]
+    assert lora.layer_tensors(names, modules, packed) == [*attention, mlp[2]]
+    # an engine that loads tensor by tensor (none fused): the targets alone
+    assert lora.layer_tensors(names, ["model.layers.0.mlp.up_proj"], {}) == [mlp[1]]
