@@ -69,7 +69,7 @@ class HFEngine:
         # of the last sync
         self.base: lora.BaseWeights | None = None
         self.adapters: dict[str, torch.Tensor] | None = None
-        self.merged: list[str] = []  # the weights holding adapters
+        self.merged: list[str] = []  # the weights that differ from the base's files
         self.receiver: WeightReceiver | None = None  # the weight group's, once joined
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = (
@@ -244,7 +244,8 @@ class HFEngine:
             self.load_adapters(specs, buckets, version)
             return
         self.check_weights(specs)
-        self.adapters, self.merged = None, []
+        self.adapters = None
+        self.merged = list(self._params)  # a later LoRA sync starts from the base again
         params = dict(self.model.named_parameters())
         loaded: set[str] = set()
         for bucket in buckets:
@@ -282,7 +283,8 @@ class HFEngine:
         if missing:
             raise ValueError(f"LoRA sync: the rollout model has no weight {missing[0]!r}")
         dtype = next(iter(self._params.values())).dtype
-        # a weight that an earlier sync's adapters changed and this one's do not: its base
+        # a weight that an earlier sync changed (adapters this one's do not target, or a
+        # full sync) gets its base back
         weights = targets + [n for n in self.merged if n not in set(targets)]
         merged = lora.merged_weights(adapters, self.base.read(weights), dtype, everything=True)
         for name, tensor in merged:

@@ -95,7 +95,8 @@ class WeightGroupEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
         # a LoRA sync's base, read once: kept when the group meets anew after a restart
         self.base: lora.BaseWeights | None = getattr(self, "base", None)
         self.lora_sync = False  # whether the sync in progress carries adapters
-        self.merged: set[str] = getattr(self, "merged", set())  # tensors holding adapters
+        # the tensors that differ from the base's files (None: any may, after a full sync)
+        self.merged: set[str] | None = getattr(self, "merged", set())
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -129,7 +130,7 @@ class WeightGroupEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
             buckets = self.merged_buckets(buckets, digest)  # digests what the leader sent
             each = None
         else:
-            self.merged = set()  # every layer loads its sent weights
+            self.merged = None  # any layer may now hold weights other than the base's
         for bucket in buckets:
             if each is not None:
                 for name, tensor in bucket.items():
@@ -171,8 +172,10 @@ class WeightGroupEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
         modules = [name[: -len(".weight")] for name in lora.base_targets(adapters)]
         packed = getattr(self.model, "packed_modules_mapping", None) or {}
         changed = set(lora.layer_tensors(self.base.names(), modules, packed))
-        # a layer that an earlier sync's adapters changed and this one's do not: its base
-        names = [name for name in self.base.names() if name in changed | self.merged]
+        # a layer that an earlier sync changed (adapters this one's do not target, or a full
+        # sync: every layer) gets its base back
+        before = set(self.base.names()) if self.merged is None else self.merged
+        names = [name for name in self.base.names() if name in changed | before]
         self.merged = changed
         merged = lora.merged_weights(
             adapters, self.base.read(names), self.model_config.dtype, everything=True

@@ -123,23 +123,24 @@ def random_adapters(engine: HFEngine, modules: tuple[str, ...], seed: int) -> di
 def test_lora_syncs_merge_from_a_base_read_once_and_a_narrower_one_restores_the_rest(
     tiny_model_dir, tmp_path
 ):
-    """The first LoRA sync reads the targeted base weights from the model's files and holds
-    them (their bytes, counted); the next merges from memory: the files are gone by then.
-    Its adapters target fewer modules than the first's, and the weights only the first
-    changed get their base back: the engine holds base + B @ A of the last sync exactly."""
+    """After a full sync, the first LoRA sync reads the base from the model's files and
+    holds it (every weight: the full sync changed them all, each gets its base back); the
+    next merges from memory: the files are gone by then. Its adapters target fewer modules
+    than the first's, and the weights only the first changed get their base back: the
+    engine holds base + B @ A of the last sync exactly."""
     folder = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
     cfg = dataclasses.replace(Config(), model=ModelConfig(path=str(folder)))
     engine = HFEngine(cfg.model, cfg.rollout, CPU)
     base = {name: p.detach().clone() for name, p in engine.named_parameters()}
+    engine.load_weights({name: t + 0.5 for name, t in base.items()}, version=0)  # a full sync
     wide = random_adapters(engine, ("q_proj", "v_proj", "down_proj"), seed=1)
     engine.load_weights(wide, version=1)
-    targets = lora.base_targets(wide)
-    assert engine.base.held_bytes == sum(base[n].numel() * base[n].element_size() for n in targets)
+    assert engine.base.held_bytes == sum(t.numel() * t.element_size() for t in base.values())
     for path in folder.glob("*.safetensors"):
         path.unlink()
     narrow = random_adapters(engine, ("q_proj",), seed=2)
     engine.load_weights(narrow, version=2)
     expected = dict(lora.merged_weights(narrow, base.items(), torch.float32))
-    assert set(expected) < set(targets)
+    assert set(expected) < set(lora.base_targets(wide))
     for name, param in engine.named_parameters():
         assert torch.equal(param, expected.get(name, base[name])), name
