@@ -93,7 +93,9 @@ def main(argv: list[str]) -> int:
         startup.resume_collection()
         startup.mark(f"{role} modules imported")
         workers = cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
-        topo = build_topology(rollout_rank_count(), cfg.timeouts.weight_sync_s, workers)
+        topo = build_topology(
+            rollout_rank_count(), cfg.timeouts.weight_sync_s, workers, cfg.timeouts.start_s
+        )
         startup.mark("topology built")
         logging.getLogger(__name__).info(
             "%s rank on %s; weights travel over %s", role, topo.device, topo.weights.backend

@@ -121,6 +121,7 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "timeouts.sample_wait_s": (0, True),
     "timeouts.weight_sync_s": (0, True),
     "timeouts.rank_wait_s": (0, True),
+    "timeouts.start_s": (0, True),
     "gateway.port": (0, False),
     "gateway.agent_timeout_s": (0, True),
     "gateway.claim_wait_s": (0, False),

@@ -339,6 +339,9 @@ class TimeoutConfig:
     sample_wait_s: float = 300.0  # trainer waiting for samples longer than this is an error
     weight_sync_s: float = 300.0  # a weight broadcast or its announcement taking longer is an error
     rank_wait_s: float = 300.0  # any other wait for a peer rank (batch shards, shutdown)
+    # every rank of the job done with its start-up (imports, from a cold parallel
+    # filesystem at scale, can take minutes) before the first collective
+    start_s: float = 1800.0
     step_exit_s: float = 60.0  # Slurm: srun still running this long after every rank ended is ended
 
 

@@ -18,7 +18,7 @@ Every group is bounded by a timeout: the trainer group and the default group by
 ``timeout_s`` (``timeouts.weight_sync_s``), the weight group likewise.
 
 The ranks meet first in a barrier polled with sleeps (``transport/waits.py``), bounded by
-the same timeout: ranks finish their imports seconds apart (more under Slurm, where the
+``timeouts.start_s``: ranks finish their imports seconds apart (more under Slurm, where the
 components start apart), and Open MPI's blocking collectives spin a core while they wait,
 taking it from the ranks still importing on a shared node.
 """
@@ -123,16 +123,20 @@ def _rendezvous_host() -> str:
     return "127.0.0.1"
 
 
-def build_topology(rollout_ranks: int, timeout_s: float, workers_per_rank: int = 1) -> Topology:
+def build_topology(
+    rollout_ranks: int, timeout_s: float, workers_per_rank: int = 1, start_s: float = 1800.0
+) -> Topology:
     """Collective over COMM_WORLD. ``workers_per_rank``: how many processes of each rollout
-    rank hold its inference weights (vLLM: ``tensor_parallel_size``; HF: 1, the rank)."""
+    rank hold its inference weights (vLLM: ``tensor_parallel_size``; HF: 1, the rank).
+    ``start_s``: how long a rank waits for the last one to finish its start-up."""
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     if not 0 < rollout_ranks < size:
         raise RuntimeError(
             f"{size} ranks cannot hold {rollout_ranks} rollout ranks and >= 1 trainer rank"
         )
-    wait_request(world.Ibarrier(), timeout_s, f"every one of the job's {size} ranks to start")
+    waiting = f"every one of the job's {size} ranks to finish starting (timeouts.start_s)"
+    wait_request(world.Ibarrier(), start_s, waiting)
     role = role_of(rank, rollout_ranks)
     local = world.Split(0 if role == ROLLOUT else 1, rank)
     remote_leader = rollout_ranks if role == ROLLOUT else 0

@@ -65,5 +65,6 @@ def test_a_rank_that_never_arrives_ends_the_wait_within_its_timeout(tmp_path: Pa
     assert proc.returncode != 0
     early = json.loads((tmp_path / "rank0.json").read_text())
     assert early["error"] == (
-        "PeerTimeout: timed out after 2s waiting for every one of the job's 2 ranks to start"
+        "PeerTimeout: timed out after 2s waiting for every one of the job's 2 ranks to finish "
+        "starting (timeouts.start_s)"
     ), early

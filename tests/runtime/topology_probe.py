@@ -1,9 +1,10 @@
 """An MPI program for test_topology.py: the job's ranks build the topology, one of them late.
 
 Run as ``mpirun -np 2 python -m tests.runtime.topology_probe OUT_DIR LATE_S TIMEOUT_S``.
-Rank 1 starts building ``LATE_S`` seconds after rank 0 (a rank still importing); each rank
-writes OUT_DIR/rank{i}.json with the CPU seconds its ``build_topology`` took, or the error
-it raised.
+Rank 1 starts building ``LATE_S`` seconds after rank 0 (a rank still importing), the
+ranks waiting for each other at most ``TIMEOUT_S`` (``timeouts.start_s``); each rank writes
+OUT_DIR/rank{i}.json with the CPU seconds its ``build_topology`` took, or the error it
+raised.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from mpi4py import MPI
 
 from hpc_asyncppo.runtime.topology import build_topology, close_topology
 
+GROUP_TIMEOUT_S = 600.0  # the process groups' own timeout: a hang limit
+
 
 def main(out_dir: Path, late_s: float, timeout_s: float) -> None:
     rank = MPI.COMM_WORLD.Get_rank()
@@ -24,7 +27,7 @@ def main(out_dir: Path, late_s: float, timeout_s: float) -> None:
         time.sleep(late_s)
     cpu = time.process_time()
     try:
-        topo = build_topology(1, timeout_s)
+        topo = build_topology(1, GROUP_TIMEOUT_S, start_s=timeout_s)
     except Exception as exc:  # noqa: BLE001 - the error is the record
         record = {"error": f"{type(exc).__name__}: {exc}"}
         (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
