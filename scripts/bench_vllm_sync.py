@@ -14,7 +14,7 @@ members are the engine's workers, the job's own code on both sides (``WeightBroa
   ``--tp`` plain processes (no vLLM): the wire alone.
 
 With ``--lora RANK``, then ``lora``: syncs of LoRA adapters of that rank on ``--targets``
-(``models/lora.py``; alternating with full syncs, each timed), as a LoRA run makes them:
+(``models/lora.py``; in a row after full syncs, each timed), as a LoRA run makes them:
 only the adapters cross, each worker merges them into the base (read from the model's
 files at the first, then held) and reloads the layers they change. Printed beside the full
 sync: the bytes on the wire, the first and the later LoRA syncs' times, the tensors each
@@ -85,18 +85,24 @@ def adapters_of(weights: dict, rank: int, targets: str) -> dict[str, torch.Tenso
 
 
 def lora_syncs(engine, weights: dict, args: argparse.Namespace) -> None:
-    """LoRA syncs alternating with full ones, each timed; printed side by side."""
+    """Full syncs, then LoRA syncs in a row as a LoRA run makes them (after a full sync
+    the first LoRA sync reloads every layer, and reads the base), each timed; printed side
+    by side."""
     adapters = adapters_of(weights, args.lora, args.targets)
     wire = sum(t.numel() * t.element_size() for t in adapters.values())
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     times: dict[str, list[float]] = {"lora": [], "full": []}
-    for i in range(args.repeats + 1):  # the first LoRA sync reads the base
-        for name, tensors in (("lora", adapters), ("full", weights)):
+    version = 1000
+    for name, tensors, count in (
+        ("full", weights, args.repeats),
+        ("lora", adapters, args.repeats + 1),
+    ):
+        for _ in range(count):
             start = time.monotonic()
-            engine.load_weights(tensors, version=1000 + 2 * i + (name == "full"))
+            engine.load_weights(tensors, version=version)
             times[name].append(time.monotonic() - start)
-            if name == "lora":
-                workers = engine.last_sync()
+            version += 1
+    workers = engine.last_sync()
     first, later = times["lora"][0], statistics.median(times["lora"][1:])
     full = statistics.median(times["full"])
     print(

@@ -13,7 +13,8 @@ where the model is gigabytes. Every rollout engine applies them the same way
 base (read from the model's safetensors files at the first sync, then held in host memory:
 ``BaseWeights``) and cast to ``model.dtype``; the engine then loads those weights as it
 loads a full sync, and only them: a vLLM worker reloads the layers the adapters change
-(``layer_tensors``), the others keep their weights. Generation therefore runs at the base model's speed (no adapter kernels), and
+(``layer_tensors``), the others keep their weights. Generation therefore runs at the base
+model's speed (no adapter kernels), and
 the HF and vLLM engines share this code; only the load differs (a parameter's copy, or
 vLLM's loader).
 
@@ -131,7 +132,8 @@ def merged_weights(
     """The weights the adapters make of the base: for each base tensor (name, tensor, in
     the files' names) that has adapters, base + B @ A in fp32, cast to ``dtype``;
     ``everything``: the other tensors of ``base`` too, as they are (an engine whose loader
-    wants whole layers: ``layer_tensors``). Raises ValueError when an adapter has no base tensor, or half of one came."""
+    wants whole layers: ``layer_tensors``). Raises ValueError when an adapter has no base
+    tensor, or half of one came."""
     modules = {n[: -len(LORA_A)] for n in adapters if n.endswith(LORA_A)}
     halves = {n[: -len(LORA_B)] for n in adapters if n.endswith(LORA_B)}
     if modules != halves or len(adapters) != 2 * len(modules):

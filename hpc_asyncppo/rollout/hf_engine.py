@@ -285,7 +285,8 @@ class HFEngine:
         dtype = next(iter(self._params.values())).dtype
         # a weight that an earlier sync changed (adapters this one's do not target, or a
         # full sync) gets its base back
-        weights = targets + [n for n in self.merged if n not in set(targets)]
+        targeted = set(targets)
+        weights = targets + [n for n in self.merged if n not in targeted]
         merged = lora.merged_weights(adapters, self.base.read(weights), dtype, everything=True)
         for name, tensor in merged:
             self._params[name].copy_(tensor)

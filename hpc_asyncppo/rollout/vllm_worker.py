@@ -171,11 +171,12 @@ class WeightGroupEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
             self.base = lora.BaseWeights(self.model_config.model)
         modules = [name[: -len(".weight")] for name in lora.base_targets(adapters)]
         packed = getattr(self.model, "packed_modules_mapping", None) or {}
-        changed = set(lora.layer_tensors(self.base.names(), modules, packed))
+        every = self.base.names()
+        changed = set(lora.layer_tensors(every, modules, packed))
         # a layer that an earlier sync changed (adapters this one's do not target, or a full
         # sync: every layer) gets its base back
-        before = set(self.base.names()) if self.merged is None else self.merged
-        names = [name for name in self.base.names() if name in changed | before]
+        reload = changed | (set(every) if self.merged is None else self.merged)
+        names = [name for name in every if name in reload]
         self.merged = changed
         merged = lora.merged_weights(
             adapters, self.base.read(names), self.model_config.dtype, everything=True
