@@ -424,9 +424,9 @@ def write_atomically(out: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m hpc_asyncppo.export") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m hpc_asyncppo.export",
+        prog=prog,
         description="Write the policy of a run's checkpoint as a Hugging Face model folder.",
     )
     parser.add_argument("run_dir", type=Path, help="the run directory (RUN_DIR)")

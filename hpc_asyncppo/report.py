@@ -434,9 +434,9 @@ def figure(data: RunData, summary: Summary):
     return fig
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m hpc_asyncppo.report") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m hpc_asyncppo.report",
+        prog=prog,
         description="Write RUN_DIR/report.png and print a summary of the run.",
     )
     parser.add_argument("run_dir", type=Path, help="the run directory")

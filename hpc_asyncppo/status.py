@@ -314,10 +314,8 @@ def format_status(st: RunStatus) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m hpc_asyncppo.status", description="Where a run stands, on one screen."
-    )
+def main(argv: list[str] | None = None, prog: str = "python -m hpc_asyncppo.status") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description="Where a run stands, on one screen.")
     parser.add_argument("run_dir", type=Path, help="the run directory")
     args = parser.parse_args(argv)
     if not args.run_dir.is_dir():

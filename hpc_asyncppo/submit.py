@@ -45,9 +45,9 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def parse_args(argv: list[str], prog: str = "python -m hpc_asyncppo.submit") -> argparse.Namespace:
     parser = OneLineParser(
-        prog="python -m hpc_asyncppo.submit",
+        prog=prog,
         description="Fully asynchronous PPO/GRPO training: rollout ranks and trainer ranks, MPI between them.",
     )
     parser.add_argument(
@@ -178,8 +178,8 @@ def prepare(args: argparse.Namespace) -> tuple[Config, Path, int, int, int | Non
     return cfg, run_dir, rollout_ranks, train_ranks, resume_step
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def main(argv: list[str] | None = None, prog: str = "python -m hpc_asyncppo.submit") -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv, prog)
     # Not transformers' own switch: importing transformers here would cost seconds.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:

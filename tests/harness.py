@@ -381,3 +381,20 @@ def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     """The model weights of a run's checkpoint of ``step``, whole (gathered from its parts)."""
     assert read_manifest(step_dir(run_dir, step))["step"] == step
     return read_full(step_dir(run_dir, step), "model")
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *words: str) -> str:
+    """A command that failed on bad input: no traceback, one line ``error: ...`` on stderr
+    that names each of ``words``; the line."""
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+def leftovers(parent: Path) -> list[str]:
+    """The hidden (temporary) files and folders a command left in ``parent``."""
+    return [p.name for p in parent.iterdir() if p.name.startswith(".")]

@@ -34,7 +34,7 @@ from hpc_asyncppo.paths import HF_FINAL
 from hpc_asyncppo.tasks import load_task
 from hpc_asyncppo.trainer.policy import Policy, trainer_states
 from tests.conftest import vllm_environment
-from tests.harness import REPO, SMALL, Run
+from tests.harness import REPO, SMALL, Run, leftovers, one_line_error
 
 CPU = torch.device("cpu")
 STEPS = 6
@@ -161,20 +161,6 @@ def test_vllm_loads_the_export_and_generates_the_trainers_log_probs(
     lp, vllm_lp, mask = log_probs_of(policy, prompts, gens, engine.pad_id)
     diff = (lp - vllm_lp).abs()[mask]
     assert diff.max().item() < 1e-4, f"max diff {diff.max().item()}"
-
-
-def one_line_error(proc: subprocess.CompletedProcess, *words: str) -> str:
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    for word in words:
-        assert word in lines[0], lines[0]
-    return lines[0]
-
-
-def leftovers(parent: Path) -> list[str]:
-    return [p.name for p in parent.iterdir() if p.name.startswith(".")]
 
 
 @pytest.mark.mpi

@@ -23,7 +23,8 @@ of a floor above its own. The floors, from the ground up:
    only through ``transport/``: neither imports the other.
 4. ``launch/``: how ranks are started (mpirun, Slurm), run directories, job restarts.
 5. entry points, which may import anything: ``rank.py`` (a rank's main), ``submit.py``,
-   ``status.py``, ``report.py``, ``gpu_check.py``.
+   ``status.py``, ``report.py``, ``gpu_check.py``, ``eval.py`` (a checkpoint's score),
+   ``cli.py`` and ``__main__.py`` (the ``hpc-asyncppo`` command).
 
 A new module must be given a floor here (a top-level module or package not listed fails).
 """
@@ -65,6 +66,9 @@ FLOORS = {
     "status": ENTRY,
     "report": ENTRY,
     "gpu_check": ENTRY,
+    "eval": ENTRY,
+    "cli": ENTRY,
+    "__main__": ENTRY,
 }
 
 

@@ -124,10 +124,10 @@ def inspect_run_dir(run_dir: Path) -> int:
     return status
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m hpc_asyncppo.checkpoint.inspect", description=__doc__.splitlines()[0]
-    )
+def main(
+    argv: list[str] | None = None, prog: str = "python -m hpc_asyncppo.checkpoint.inspect"
+) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument(
         "path", type=Path, help="a run directory, a checkpoint folder, or one part file"
     )

@@ -1,5 +1,6 @@
-"""Where config files are found: a path as given, or a file in this repository's
-``configs/`` (the recipes, and the tool configs under ``configs/tools/``)."""
+"""Where config files are found: a path as given, or a file in the package's ``configs/``
+(the recipes, and the tool configs under ``configs/tools/``; installed with the package,
+and at the repository's top as ``configs``, a link to them)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 from hpc_asyncppo.config.schema import ConfigError
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 def tool_config_file(path: str) -> Path:

@@ -6,6 +6,7 @@ and no validation sample reaches the training queue or its audit."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -122,6 +123,31 @@ def test_progress_report_status_and_tensorboard_show_validation(validated_run):
     assert {"val/pass@1", "val/param_version", "val/short/reward/mean"} <= set(
         acc.Tags()["scalars"]
     )
+
+
+def test_eval_of_a_checkpoint_scores_what_the_runs_validation_logged(validated_run):
+    """``hpc-asyncppo eval RUN_DIR`` (its newest checkpoint, the final step's) and ``--step
+    200`` (a periodic one) on the run's data.val, greedy: the same numbers as the run's
+    validation of those steps, from generations it wrote one per prompt. (Both steps sync
+    their weights, SYNC_EVERY, so the validation saw the checkpoint's weights; at step 250
+    it saw step 248's.)"""
+    run_dir, _ = validated_run
+    _, vals = split_metrics(read_jsonl(run_dir / "metrics.jsonl"))
+    logged = {row["step"]: row for row in vals}
+    for step, args in ((STEPS, []), (200, ["--step", "200"])):
+        cmd = [sys.executable, "-m", "hpc_asyncppo", "eval", str(run_dir), *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        out = run_dir / "eval" / f"step_{step}-val"
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["step"] == step and summary["n"] == 1 and summary["temperature"] == 0
+        lines = read_jsonl(out / "generations.jsonl")
+        assert sorted(r["prompt_index"] for r in lines) == list(range(VAL_PROMPTS))
+        row = logged[step]
+        for key in ("val/reward/mean", "val/pass@1", "val/short/reward/mean", "val/long/pass@1"):
+            assert summary[key] == pytest.approx(row[key], abs=1e-6), (step, key)
+        assert f"reward/mean {row['val/reward/mean']:.4f}" in proc.stdout
+        assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]
 
 
 def test_a_stop_signal_with_validations_in_flight_stops_and_the_resume_validates_on(tmp_path):

@@ -1,0 +1,351 @@
+"""A checkpoint's score on a data set, without a training job: ``python -m hpc_asyncppo.eval
+TARGET [--step N] [--data FILE] [--n N] [--temperature T] [--config C] [--out DIR]
+[key=value ...]``.
+
+TARGET is a run directory (its newest valid checkpoint, or ``--step N``'s), one of its
+checkpoint folders (``RUN_DIR/checkpoints/step_N``), or a Hugging Face model folder (an
+export, the model a run started from, any model). The config is the run's ``config.yaml``
+(for a model folder: ``--config``'s, e.g. ``qwen2.5-7b-gsm8k``, or the defaults) with the
+``key=value`` overrides on top: ``data.task``, ``data.reward_fn``, ``rollout.engine=vllm``,
+``rollout.response_length``, ...
+
+It is the run's validation (``rollout/validation.py``) in one process: the prompts of
+``--data`` (read as ``data.train`` is: JSONL or verl parquet; default: the run's
+``data.val``), tokenized the same way, those longer than ``data.max_prompt_length`` left
+out as validation leaves them; ``--n`` responses to each (default ``rollout.val_n``) at
+``--temperature`` (default ``rollout.val_temperature``; 0: greedy), from the engine the
+run's rollout ranks use (``rollout.engine``, ``rollout.torch_threads``) holding the
+checkpoint's weights in ``model.dtype``, as the rollout ranks hold them; scored with the
+task's reward (or ``data.reward_fn``); summed up by validation's own ``validation_metrics``
+(``val/reward/mean``, ``val/pass@k``, per data_source). The prompts go to the engine as
+the run's R rollout ranks sent them (rank r's share r, r + R, ...,
+``rollout.prompts_per_generate`` groups at a time), so a greedy eval of a checkpoint the
+run validated scores what that validation logged.
+
+The weights: a checkpoint is first exported (``export.py``, a LoRA run's adapters merged)
+into a temporary folder inside the output's, in ``model.dtype``, and removed at the end:
+disk for one copy of the model in that dtype, memory as an export's (one tensor at a time)
+and then the engine's. A model folder is loaded as it is.
+
+Written: OUT (default ``RUN_DIR/eval/step_N-<data file's stem>``; needed for a model
+folder) gets ``generations.jsonl`` (one line per response: the prompt's index,
+data_source and text, the response's text and token ids, its reward) and
+``summary.json`` (the metrics, what was evaluated and how). Everything is written in a
+temporary folder beside OUT and renamed to OUT at the end: an eval that fails leaves
+nothing. Bad input (a path that is not a run, checkpoint or model; a data file that is
+missing or unreadable; a reward function that does not import) is one line on stderr and
+exit code 2. Multi-turn and agent runs are not evaluated here (their tools and agents run
+in the job: use the run's validation, ``trainer.test_freq``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+from hpc_asyncppo.config import Config, ConfigError, load_config
+from hpc_asyncppo.paths import CHECKPOINTS, CONFIG, LAUNCH
+from hpc_asyncppo.tasks import Task
+
+GENERATIONS = "generations.jsonl"
+SUMMARY = "summary.json"
+EVAL = "eval"  # RUN_DIR/eval/: the default place of a run's evals
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (not usage + error) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+class EvalError(ValueError):
+    """The eval cannot run on this input; the message is one line naming the fix."""
+
+
+@dataclass
+class Target:
+    """What TARGET names: a run (``run_dir``, ``step`` None for its newest checkpoint) or a
+    model folder (``model``)."""
+
+    run_dir: Path | None = None
+    step: int | None = None
+    model: Path | None = None
+
+
+def find_target(path: Path, step: int | None) -> Target:
+    path = path.resolve()
+    if not path.exists():
+        raise EvalError(f"{path} does not exist; give a run directory, a checkpoint folder "
+                        "(RUN_DIR/checkpoints/step_N) or a Hugging Face model folder")  # fmt: skip
+    if (path / CONFIG).is_file():
+        return Target(run_dir=path, step=step)
+    if path.parent.name == CHECKPOINTS and path.name.startswith("step_"):
+        if step is not None:
+            raise EvalError(f"{path} is one checkpoint: drop --step, or give its RUN_DIR")
+        try:
+            return Target(run_dir=path.parent.parent, step=int(path.name[len("step_") :]))
+        except ValueError:
+            pass
+    if (path / "config.json").is_file():
+        if step is not None:
+            raise EvalError(f"{path} is a model folder, it has no steps: drop --step")
+        return Target(model=path)
+    raise EvalError(f"{path} is neither a run directory (no {CONFIG}), a checkpoint folder "
+                    "(RUN_DIR/checkpoints/step_N) nor a model folder (no config.json)")  # fmt: skip
+
+
+def eval_config(
+    target: Target, data: Path | None, overrides: list[str], config: str | None = None
+) -> tuple[Config, int]:
+    """The config the eval runs with (a model folder's: ``config``, a YAML path or a name in
+    configs/, or the defaults), and the run's rollout rank count (1 for a model folder):
+    the prompts go to the engine in that many shares, as the run's ranks took them."""
+    extra = []
+    if data is not None:
+        if not data.is_file():
+            raise EvalError(f"--data {data}: no such file; give a JSONL or verl parquet file")
+        extra.append(f"data.val={data.resolve()}")
+    if target.model is not None:
+        cfg = load_config(config, [f"model.path={target.model}", *extra, *overrides])
+        ranks = 1
+    elif config is not None:
+        raise EvalError(f"{target.run_dir} is a run: it has its own config.yaml; drop --config "
+                        "(override its keys with key=value)")  # fmt: skip
+    else:
+        launch = target.run_dir / LAUNCH
+        try:
+            counts = json.loads(launch.read_text()) if launch.is_file() else {}
+        except json.JSONDecodeError:
+            counts = {}
+        ranks = int(counts.get("rollout_ranks", 1))
+        cfg = load_config(target.run_dir / CONFIG, [*extra, *overrides], ranks,
+                          int(counts.get("train_ranks", 1)))  # fmt: skip
+    if not cfg.data.val:
+        raise EvalError("nothing to evaluate on: give --data FILE (JSONL or verl parquet), "
+                        "or a run that has data.val")  # fmt: skip
+    if cfg.rollout.multi_turn.enable or cfg.data.agent:
+        raise EvalError("multi-turn and agent runs are evaluated by their own validation "
+                        "(trainer.test_freq), not here")  # fmt: skip
+    return cfg, ranks
+
+
+def out_folder(target: Target, out: Path | None, step: int | None, data: str) -> Path:
+    if out is not None:
+        return out.resolve()
+    if target.model is not None:
+        raise EvalError(f"{target.model} is a model folder: give --out DIR for the results")
+    return target.run_dir / EVAL / f"step_{step}-{Path(data).stem}"
+
+
+def check_out(out: Path) -> None:
+    if out.exists():
+        raise EvalError(f"{out} already exists; give another --out (or remove that one)")
+
+
+def evaluate(
+    cfg: Config, task: Task, model: Path, ranks: int, n: int, temperature: float, out: Path
+) -> tuple[dict[str, float], int]:
+    """Generate and score; writes ``out/generations.jsonl``. The metrics and the number of
+    prompts left out as too long."""
+    import numpy as np
+    import torch
+
+    from hpc_asyncppo.rollout.engine_factory import make_engine
+    from hpc_asyncppo.tasks import tokenize_prompt
+    from hpc_asyncppo.trainer.validation import validation_metrics
+
+    torch.set_num_threads(cfg.rollout.torch_threads)
+    torch.manual_seed(cfg.trainer.seed * 1000)
+    prompts = list(task.prompts())
+    cfg.model.path = str(model)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    engine = make_engine(cfg, device)
+    rows, sources, skipped = [], [], 0
+    try:
+        with (out / GENERATIONS).open("w") as f:
+            for rank in range(ranks):
+                share = []
+                for prompt in prompts[rank::ranks]:
+                    ids = tokenize_prompt(engine.tokenizer, prompt)
+                    if len(ids) > cfg.data.max_prompt_length:
+                        skipped += 1
+                    else:
+                        share.append((prompt, ids))
+                chunk = cfg.rollout.prompts_per_generate
+                for start in range(0, len(share), chunk):
+                    batch = share[start : start + chunk]
+                    for i, (_, ids) in enumerate(batch):
+                        engine.submit(("eval", i), ids, n, temperature)
+                    done: dict = {}
+                    while len(done) < len(batch):
+                        done.update(engine.step())
+                    for i, (prompt, _) in enumerate(batch):
+                        gen = done[("eval", i)]
+                        rewards = []
+                        for j in range(n):
+                            response = gen.response_ids[j, : gen.response_lengths[j]]
+                            text = engine.decode(response)
+                            reward = float(task.reward(prompt, text))
+                            rewards.append(reward)
+                            line = {
+                                "prompt_index": prompt.index,
+                                "data_source": prompt.data_source,
+                                "prompt": prompt.text,
+                                "sample": j,
+                                "response": text,
+                                "response_ids": response.tolist(),
+                                "reward": reward,
+                            }
+                            f.write(json.dumps(line) + "\n")
+                        rows.append(rewards)
+                        sources.append(prompt.data_source)
+    finally:
+        engine.close()
+    if not rows:
+        raise EvalError(f"data.val={cfg.data.val}: no prompt fits data.max_prompt_length="
+                        f"{cfg.data.max_prompt_length}; raise it")  # fmt: skip
+    metrics = validation_metrics(np.asarray(rows, dtype=np.float32), sources, -1)
+    del metrics["val/param_version"]
+    return metrics, skipped
+
+
+def run_eval(
+    target_path: Path,
+    step: int | None = None,
+    data: Path | None = None,
+    n: int | None = None,
+    temperature: float | None = None,
+    out: Path | None = None,
+    overrides: list[str] | None = None,
+    config: str | None = None,
+) -> tuple[Path, dict]:
+    """Evaluate; returns OUT and the summary written there. EvalError, ConfigError,
+    DatasetError or ExportError (one line each) on bad input, with nothing written."""
+    from hpc_asyncppo.export import candidate_checkpoints, export_checkpoint
+    from hpc_asyncppo.tasks import load_val_task
+
+    target = find_target(target_path, step)
+    cfg, ranks = eval_config(target, data, list(overrides or []), config)
+    task = load_val_task(cfg.data)  # the data and the reward, before any weights are read
+    n = cfg.rollout.val_n if n is None else n
+    temperature = cfg.rollout.val_temperature if temperature is None else temperature
+    if n < 1 or temperature < 0:
+        raise EvalError(f"--n {n} --temperature {temperature}: n must be >= 1, temperature >= 0")
+    checkpoint = None
+    if target.run_dir is not None:
+        checkpoint = candidate_checkpoints(target.run_dir, target.step)[0]  # checks --step
+        out = out_folder(target, out, int(checkpoint.name[len("step_") :]), cfg.data.val)
+    else:
+        out = out_folder(target, out, None, cfg.data.val)
+    check_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        start = time.monotonic()
+        model = target.model
+        if target.run_dir is not None:
+            model = tmp / "weights"
+            checkpoint = export_checkpoint(target.run_dir, model, target.step, cfg.model.dtype)
+        metrics, skipped = evaluate(cfg, task, model, ranks, n, temperature, tmp)
+        if target.run_dir is not None:
+            shutil.rmtree(model)
+        summary = {
+            **metrics,
+            "val/skipped_prompts": skipped,
+            "target": str(target.run_dir or target.model),
+            "checkpoint": str(checkpoint) if checkpoint else None,
+            "step": int(checkpoint.name[len("step_") :]) if checkpoint else None,
+            "data": cfg.data.val,
+            "task": cfg.data.task,
+            "reward_fn": cfg.data.reward_fn or None,
+            "n": n,
+            "temperature": temperature,
+            "engine": cfg.rollout.engine,
+            "dtype": cfg.model.dtype,
+            "seconds": round(time.monotonic() - start, 1),
+        }
+        (tmp / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+        check_out(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out, summary
+
+
+def format_summary(summary: dict, out: Path) -> str:
+    what = summary["checkpoint"] or summary["target"]
+    how = "greedy" if summary["temperature"] == 0 else f"temperature {summary['temperature']}"
+    k = summary["n"]
+    lines = [
+        f"{what} on {summary['data']} ({summary['val/prompts']} prompts, n={k}, {how}):",
+        f"  reward/mean {summary['val/reward/mean']:.4f}   pass@{k} {summary[f'val/pass@{k}']:.4f}",
+    ]
+    for key, value in summary.items():
+        if key.startswith("val/") and key.count("/") == 3:  # val/<source>/...
+            lines.append(f"  {key[4:]} {value:.4f}")
+    if summary["val/skipped_prompts"]:
+        lines.append(f"  {summary['val/skipped_prompts']} prompts longer than "
+                     "data.max_prompt_length were left out")  # fmt: skip
+    lines.append(f"written: {out / GENERATIONS}, {out / SUMMARY}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m hpc_asyncppo.eval") -> int:
+    parser = OneLineParser(
+        prog=prog,
+        description="Score a run's checkpoint (or a model folder) on a data set with the "
+        "task's reward, as the run's validation does.",
+    )
+    parser.add_argument(
+        "target", type=Path, help="RUN_DIR, RUN_DIR/checkpoints/step_N, or a HF model folder"
+    )
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="JSONL or verl parquet (default: the run's data.val)",
+    )
+    parser.add_argument("--n", type=int, default=None, help="responses per prompt (rollout.val_n)")
+    parser.add_argument(
+        "--temperature", type=float, default=None, help="0: greedy (rollout.val_temperature)"
+    )
+    parser.add_argument(
+        "--config", default=None, help="a model folder's config: YAML path or name in configs/"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="new folder (default RUN_DIR/eval/step_N-<data>)"
+    )
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    args = parser.parse_intermixed_args(argv)  # overrides may come before or after flags
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from hpc_asyncppo.checkpoint.store import CheckpointError
+    from hpc_asyncppo.export import ExportError
+    from hpc_asyncppo.tasks.jsonl import DatasetError
+
+    try:
+        out, summary = run_eval(args.target, args.step, args.data, args.n, args.temperature,
+                                args.out, args.overrides, args.config)  # fmt: skip
+    except (EvalError, ConfigError, DatasetError, ExportError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    print(format_summary(summary, out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
