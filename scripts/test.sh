@@ -40,4 +40,8 @@ if [ "$rc" = 5 ]; then
   echo "test.sh: pytest collected no tests (wrong path or -k filter?)" >&2
   exit 1
 fi
+if [ "$#" = 0 ]; then
+  # the whole suite: also the package as a release installs it (about a minute and a half)
+  bash scripts/check_wheel.sh || rc=1
+fi
 exit "$rc"
