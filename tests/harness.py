@@ -398,3 +398,62 @@ def one_line_error(proc: subprocess.CompletedProcess, *words: str) -> str:
 def leftovers(parent: Path) -> list[str]:
     """The hidden (temporary) files and folders a command left in ``parent``."""
     return [p.name for p in parent.iterdir() if p.name.startswith(".")]
+
+
+def wandb_records(run_dir: Path) -> list[tuple[str, Any]]:
+    """Every record W&B wrote for the run's offline W&B runs (``RUN_DIR/wandb/offline-run-*``,
+    oldest first): (the record's kind, the record), read from its ``.wandb`` files with W&B's
+    own protobuf classes. The file: a 7-byte header (``:W&B``, magic, version), then
+    LevelDB-log chunks of 32 KiB blocks (4-byte checksum, 2-byte length, 1-byte type: full,
+    first, middle, last), each record one serialized ``Record``."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    block = 32768
+    out = []
+    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        data = path.read_bytes()
+        assert data[:4] == b":W&B", (path, data[:7])
+        pos, pending = 7, b""
+        while pos + 7 <= len(data):
+            left = block - pos % block
+            if left < 7:  # a block's tail too short for a chunk header: padding
+                pos += left
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            if length == 0 and kind == 0:  # zeros to the block's end
+                pos += left
+                continue
+            chunk = data[pos + 7 : pos + 7 + length]
+            pos += 7 + length
+            pending = chunk if kind in (1, 2) else pending + chunk
+            if kind in (1, 4):
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(pending)
+                out.append((record.WhichOneof("record_type"), record))
+    return out
+
+
+def wandb_history(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows logged to the run's W&B runs (``history`` records), oldest first."""
+    import json
+
+    rows = []
+    for kind, record in wandb_records(run_dir):
+        if kind == "history":
+            items = record.history.item
+            rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items})
+    return rows
+
+
+def mlflow_run(run_dir: Path) -> tuple[Any, Any]:
+    """(an MlflowClient of the run's file store RUN_DIR/mlruns, the run it holds)."""
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
+    experiments = client.search_experiments()
+    runs = [r for e in experiments for r in client.search_runs([e.experiment_id])]
+    assert len(runs) == 1, runs
+    return client, runs[0]

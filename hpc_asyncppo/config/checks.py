@@ -41,6 +41,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.rollout_rs": ("none", "token", "sequence", "geometric"),
     "algorithm.filter_groups.metric": ("acc", "score", "seq_reward", "seq_final_reward"),
     "async_training.mode": ("fully_async", "sync"),
+    "trainer.wandb_mode": ("auto", "offline", "online"),
     "rollout.multi_turn.format": ("hermes",),
     "rollout.multi_turn.tool_response_truncate_side": ("left", "middle", "right"),
 }
@@ -264,6 +265,26 @@ RESUME_FIXED = (
 )
 
 
+# trainer.logger's names -> the package each needs (tensorboard: written when installed)
+LOGGERS = {"console": None, "tensorboard": None, "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def check_loggers(names: list[str]) -> None:
+    """Each of trainer.logger known, and its package installed here (the ranks share this
+    install): a missing one is named with the extra that installs it."""
+    import importlib.util
+
+    for name in names:
+        if name not in LOGGERS:
+            raise ConfigError(f"trainer.logger: {name!r} is not one of: {', '.join(LOGGERS)}")
+        module = LOGGERS[name]
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"trainer.logger has {name!r} but {module} is not installed: "
+                f"pip install 'hpc_asyncppo[{name}]' (or drop it from trainer.logger)"
+            )
+
+
 def check_agent(cfg: Config) -> None:
     """``data.agent``: what the gateway does not combine with (the function itself is
     imported where the task is, ``tasks/registry.py`` ``load_agent``)."""
@@ -300,6 +321,7 @@ def validate(cfg: Config, rollout_ranks: int = 1, train_ranks: int = 1) -> None:
         )
     if cfg.data.agent:
         check_agent(cfg)
+    check_loggers(cfg.trainer.logger)
     turns = cfg.rollout.multi_turn
     if turns.tool_config_path and not turns.enable:
         raise ConfigError(

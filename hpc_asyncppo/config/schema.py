@@ -300,6 +300,16 @@ class TrainerConfig:
     record_weight_digests: bool = (
         False  # every rank logs a digest of its weights at each sync (tests)
     )
+    # where the metrics go besides RUN_DIR/metrics.jsonl (verl's trainer.logger): console
+    # (the launcher's progress lines), tensorboard (RUN_DIR/tensorboard), wandb, mlflow
+    # (trainer/trackers.py; each an optional install: pip install hpc_asyncppo[wandb])
+    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    project_name: str = "hpc_asyncppo"  # the W&B project, the MLflow experiment
+    experiment_name: str = ""  # the W&B and MLflow run's name; empty: the run directory's
+    # auto: online if this node has a W&B key and reaches W&B, else offline (wandb sync
+    # later); online | offline
+    wandb_mode: str = "auto"
+    mlflow_tracking_uri: str = ""  # empty: a file store in RUN_DIR/mlruns
     test_freq: int = 0  # validate on data.val every this many steps; 0: never
     val_before_train: bool = True  # with test_freq: also validate the initial weights (step 0)
     # A job that fails for a reason other than its input (a rank killed, a crash, a named

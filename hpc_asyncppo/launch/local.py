@@ -320,7 +320,8 @@ def _run_mpirun(
             return proc.poll() is None
 
         try:
-            follow(run_dir, running, cfg.trainer.total_steps, poll_s=0.25, resume_step=resume_step)
+            follow(run_dir, running, cfg.trainer.total_steps, poll_s=0.25, resume_step=resume_step,
+                   console="console" in cfg.trainer.logger)  # fmt: skip
             proc.wait()
             warnings.show()
         finally:

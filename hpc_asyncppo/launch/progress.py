@@ -102,6 +102,22 @@ class PlainLines:
         pass
 
 
+class Silent:
+    """Nothing shown (``console`` not in trainer.logger): the run's files say it all."""
+
+    def start(self, last: dict | None) -> None:
+        pass
+
+    def update(self, row: dict) -> None:
+        pass
+
+    def validation(self, row: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Bar:
     """A tqdm bar over the steps, the latest metrics beside it."""
 
@@ -140,10 +156,12 @@ def follow(
     poll_s: float = 1.0,
     stream: TextIO | None = None,
     resume_step: int | None = None,
+    console: bool = True,
 ) -> dict | None:
     """Show progress until ``is_running()`` is false; returns the last metrics row seen.
     ``resume_step``: the step of the checkpoint the run resumes from, if known (the
-    rows after it, of an attempt that failed, are not where the run resumes)."""
+    rows after it, of an attempt that failed, are not where the run resumes).
+    ``console``: false, nothing is shown (trainer.logger without ``console``)."""
     stream = sys.stdout if stream is None else stream
     tail = MetricsTail(run_dir / METRICS, resume_step)
     history = [  # a resumed run's
@@ -153,6 +171,8 @@ def follow(
     ]
     last = history[-1] if history else None
     display = Bar(total_steps, stream) if stream.isatty() else PlainLines(total_steps, stream)
+    if not console:
+        display = Silent()
     display.start(last)
     try:
         while True:

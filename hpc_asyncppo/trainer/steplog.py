@@ -1,7 +1,8 @@
 """What the trainer leader logs: one line per sample trained or dropped, one metrics row per
 step.
 
-``StepLog`` owns the writers (``metrics.jsonl`` and TensorBoard, ``trained_samples.jsonl``,
+``StepLog`` owns the writers (``metrics.jsonl``, TensorBoard and the experiment trackers of
+``trainer.logger`` (``trackers.py``), ``trained_samples.jsonl``,
 ``dropped_samples.jsonl``) and what the rollout ranks last said of themselves: each group
 carries its sender's idle time, regenerated tokens, last sync pause and engine restarts, read as it
 arrives (``note_rollout``). The sample counts it keeps are the leader's ``Progress``,
@@ -20,13 +21,16 @@ from hpc_asyncppo.loss_mask import observation_spans
 from hpc_asyncppo.paths import DROPPED, TRAINED
 from hpc_asyncppo.trainer.intake import Batch, staleness_of
 from hpc_asyncppo.trainer.progress import Progress
+from hpc_asyncppo.trainer.trackers import Trackers
 from hpc_asyncppo.transport.samples import SampleGroup
 
 
 class StepLog:
     def __init__(self, cfg: Config, run_dir: Path, progress: Progress):
         self.cfg, self.progress = cfg, progress
-        self.metrics = runlog.MetricsWriter(run_dir)
+        self.trackers = Trackers(cfg, run_dir, progress.step)  # W&B, MLflow if asked for
+        tensorboard = "tensorboard" in cfg.trainer.logger
+        self.metrics = runlog.MetricsWriter(run_dir, tensorboard, (self.trackers,))
         self.trained_log = runlog.JsonlWriter(run_dir / TRAINED)
         self.dropped_log = runlog.JsonlWriter(run_dir / DROPPED)
         self.rollout_idle: dict[int, tuple[float, float]] = {}  # (idle, elapsed) per rank
@@ -170,6 +174,7 @@ class StepLog:
     def close(self) -> None:
         for writer in (self.metrics, self.trained_log, self.dropped_log):
             writer.close()
+        self.trackers.close(finished=self.progress.step >= self.cfg.trainer.total_steps)
 
 
 def batch_metrics(groups: list[SampleGroup], rewards: np.ndarray, max_length: int) -> dict:

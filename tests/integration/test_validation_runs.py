@@ -16,7 +16,7 @@ import pytest
 from hpc_asyncppo.runlog import read_jsonl, split_metrics
 from hpc_asyncppo.tasks import next_digit
 from hpc_asyncppo.tasks.next_digit import LEARNED_REWARD, UNTRAINED_REWARD_MAX, write_prompts
-from tests.harness import REPO, Run, check_audit
+from tests.harness import REPO, Run, check_audit, mlflow_run, wandb_history
 
 pytestmark = pytest.mark.mpi
 VAL_PROMPTS = 128
@@ -153,13 +153,16 @@ def test_eval_of_a_checkpoint_scores_what_the_runs_validation_logged(validated_r
 def test_a_stop_signal_with_validations_in_flight_stops_and_the_resume_validates_on(tmp_path):
     """SIGTERM while validations (every 2 steps, 4 sampled responses each) run beside
     training: the run stops with its checkpoint without waiting for them; the resumed run
-    validates from its checkpoint's step on and every step is trained once."""
+    validates from its checkpoint's step on and every step is trained once. Its trackers
+    (``trainer.logger``: W&B offline, MLflow's file store) hold one run each, continued by
+    the resume, with every step and every validation once and the resume's attempt row."""
     held_out_prompts(tmp_path / "val.jsonl")
     run_dir = tmp_path / "run"
     args = [
         f"data.val={tmp_path / 'val.jsonl'}", "trainer.test_freq=2",
         "rollout.val_n=4", "rollout.val_temperature=1.0", "trainer.total_steps=24",
         "actor.ppo_mini_batch_size=4", "timeouts.sample_wait_s=120", "timeouts.rank_wait_s=60",
+        "trainer.logger=[console,tensorboard,wandb,mlflow]",
     ]  # fmt: skip
     run = Run.start(run_dir, *args)
     run.wait_for_step(8)
@@ -174,3 +177,16 @@ def test_a_stop_signal_with_validations_in_flight_stops_and_the_resume_validates
     assert all(r["step"] % 2 == 0 and r["val/prompts"] == VAL_PROMPTS for r in vals)
     trained = [r["uid"] for r in read_jsonl(run_dir / "trained_samples.jsonl")]
     assert len(trained) == len(set(trained)) == 24 * 4 * 8
+
+    rows = wandb_history(run_dir)
+    assert [r["trainer/step"] for r in rows if "reward/mean" in r] == list(range(1, 25))
+    validated = sorted(r["trainer/step"] for r in rows if "val/reward/mean" in r)
+    assert validated == [r["step"] for r in vals]
+    (resumed,) = [r for r in rows if "run/attempt" in r]
+    assert resumed["trainer/step"] == stopped_at and resumed["run/preemptions"] == 1
+    client, tracked = mlflow_run(run_dir)
+    assert tracked.info.status == "FINISHED"
+    history = client.get_metric_history(tracked.info.run_id, "reward/mean")
+    assert sorted(m.step for m in history) == list(range(1, 25))
+    history = client.get_metric_history(tracked.info.run_id, "val/pass_at_4")
+    assert sorted(m.step for m in history) == validated

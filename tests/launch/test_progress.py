@@ -56,6 +56,13 @@ def test_plain_lines_every_tenth_of_the_run(tmp_path: Path) -> None:
     assert "reward 0.250" in lines[-1] and "queue 3" in lines[-1]
 
 
+def test_without_console_in_trainer_logger_nothing_is_shown(tmp_path: Path) -> None:
+    out = io.StringIO()
+    metrics = appending_run(tmp_path / METRICS, range(1, 21))
+    last = follow(tmp_path, metrics, 20, 0.0, stream=out, console=False)
+    assert last["step"] == 20 and out.getvalue() == ""
+
+
 def test_a_resumed_run_starts_from_its_last_step(tmp_path: Path) -> None:
     out = io.StringIO()
     follow(

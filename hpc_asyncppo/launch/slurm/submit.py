@@ -49,13 +49,14 @@ def submit_slurm(cfg: Config, run_dir: Path, args: argparse.Namespace) -> int:
         )
         print(f"  status:  squeue -j {job.job_id}     stop: scancel {job.job_id}")
         return 0
-    return wait_for_job(job.job_id, run_dir, cfg.trainer.total_steps)
+    return wait_for_job(job.job_id, run_dir, cfg.trainer.total_steps,
+                        "console" in cfg.trainer.logger)  # fmt: skip
 
 
-def wait_for_job(job_id: str, run_dir: Path, total_steps: int) -> int:
+def wait_for_job(job_id: str, run_dir: Path, total_steps: int, console: bool = True) -> int:
     """Follow the job's progress until Slurm says it ended; exit code for the CLI."""
     try:
-        follow(run_dir, _state_watcher(job_id), total_steps, poll_s=POLL_S)
+        follow(run_dir, _state_watcher(job_id), total_steps, poll_s=POLL_S, console=console)
     except KeyboardInterrupt:
         print(
             f"\nstopped following; job {job_id} keeps running (scancel {job_id} to stop it)",
