@@ -9,7 +9,7 @@ export, the model a run started from, any model). The config is the run's ``conf
 ``key=value`` overrides on top: ``data.task``, ``data.reward_fn``, ``rollout.engine=vllm``,
 ``rollout.response_length``, ...
 
-It is the run's validation (``rollout/validation.py``) in one process: the prompts of
+It is the run's validation (``rollout/validation.py``) outside the job: the prompts of
 ``--data`` (read as ``data.train`` is: JSONL or verl parquet; default: the run's
 ``data.val``), tokenized the same way, those longer than ``data.max_prompt_length`` left
 out as validation leaves them; ``--n`` responses to each (default ``rollout.val_n``) at
@@ -20,12 +20,19 @@ task's reward (or ``data.reward_fn``); summed up by validation's own ``validatio
 (``val/reward/mean``, ``val/pass@k``, per data_source). The prompts go to the engine as
 the run's R rollout ranks sent them (rank r's share r, r + R, ...,
 ``rollout.prompts_per_generate`` groups at a time), so a greedy eval of a checkpoint the
-run validated scores what that validation logged.
+run validated scores what that validation logged (at a step that synced its weights).
+
+``--processes P`` runs P engines at once, data-parallel: process p takes the shares p, p +
+P, ... (each share's batches as above; with more processes than the run had rollout ranks,
+one share each), on its own ``rollout.tensor_parallel_size`` GPUs of
+those this node shows (``CUDA_VISIBLE_DEVICES``); its lines go to a part file, joined in
+the end. A process that fails ends the others: one line naming it and its last line, exit
+code 1, nothing written.
 
 The weights: a checkpoint is first exported (``export.py``, a LoRA run's adapters merged)
 into a temporary folder inside the output's, in ``model.dtype``, and removed at the end:
 disk for one copy of the model in that dtype, memory as an export's (one tensor at a time)
-and then the engine's. A model folder is loaded as it is.
+and then each process's engine's. A model folder is loaded as it is.
 
 Written: OUT (default ``RUN_DIR/eval/step_N-<data file's stem>``; needed for a model
 folder) gets ``generations.jsonl`` (one line per response: the prompt's index,
@@ -44,6 +51,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 import uuid
@@ -69,6 +77,10 @@ class OneLineParser(argparse.ArgumentParser):
 
 class EvalError(ValueError):
     """The eval cannot run on this input; the message is one line naming the fix."""
+
+
+class EvalFailed(RuntimeError):
+    """One of the eval's processes failed (its last line is in the message)."""
 
 
 @dataclass
@@ -151,30 +163,28 @@ def check_out(out: Path) -> None:
         raise EvalError(f"{out} already exists; give another --out (or remove that one)")
 
 
-def evaluate(
-    cfg: Config, task: Task, model: Path, ranks: int, n: int, temperature: float, out: Path
-) -> tuple[dict[str, float], int]:
-    """Generate and score; writes ``out/generations.jsonl``. The metrics and the number of
-    prompts left out as too long."""
-    import numpy as np
+def generate(cfg: Config, task: Task, model: Path, shares: list[int], share_count: int, n: int,
+             temperature: float, out: Path) -> int:  # fmt: skip
+    """Generate and score the prompts of ``shares`` (share r: prompts r, r + share_count,
+    ...), ``rollout.prompts_per_generate`` at a time, one engine on this process's first
+    device; one line per response into ``out``. The number of prompts left out as too long."""
     import torch
 
     from hpc_asyncppo.rollout.engine_factory import make_engine
     from hpc_asyncppo.tasks import tokenize_prompt
-    from hpc_asyncppo.trainer.validation import validation_metrics
 
     torch.set_num_threads(cfg.rollout.torch_threads)
-    torch.manual_seed(cfg.trainer.seed * 1000)
+    torch.manual_seed(cfg.trainer.seed * 1000 + shares[0])
     prompts = list(task.prompts())
     cfg.model.path = str(model)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     engine = make_engine(cfg, device)
-    rows, sources, skipped = [], [], 0
+    skipped = 0
     try:
-        with (out / GENERATIONS).open("w") as f:
-            for rank in range(ranks):
+        with out.open("w") as f:
+            for share_index in shares:
                 share = []
-                for prompt in prompts[rank::ranks]:
+                for prompt in prompts[share_index::share_count]:
                     ids = tokenize_prompt(engine.tokenizer, prompt)
                     if len(ids) > cfg.data.max_prompt_length:
                         skipped += 1
@@ -190,12 +200,9 @@ def evaluate(
                         done.update(engine.step())
                     for i, (prompt, _) in enumerate(batch):
                         gen = done[("eval", i)]
-                        rewards = []
                         for j in range(n):
                             response = gen.response_ids[j, : gen.response_lengths[j]]
                             text = engine.decode(response)
-                            reward = float(task.reward(prompt, text))
-                            rewards.append(reward)
                             line = {
                                 "prompt_index": prompt.index,
                                 "data_source": prompt.data_source,
@@ -203,19 +210,124 @@ def evaluate(
                                 "sample": j,
                                 "response": text,
                                 "response_ids": response.tolist(),
-                                "reward": reward,
+                                "reward": float(task.reward(prompt, text)),
                             }
                             f.write(json.dumps(line) + "\n")
-                        rows.append(rewards)
-                        sources.append(prompt.data_source)
     finally:
         engine.close()
-    if not rows:
-        raise EvalError(f"data.val={cfg.data.val}: no prompt fits data.max_prompt_length="
-                        f"{cfg.data.max_prompt_length}; raise it")  # fmt: skip
-    metrics = validation_metrics(np.asarray(rows, dtype=np.float32), sources, -1)
+    return skipped
+
+
+def metrics_of(lines: list[dict], n: int) -> dict[str, float]:
+    """Validation's metrics (``validation_metrics``) of the generations' lines."""
+    import numpy as np
+
+    from hpc_asyncppo.trainer.validation import validation_metrics
+
+    rewards: dict[int, list[float]] = {}
+    sources: dict[int, str] = {}
+    for line in lines:
+        rewards.setdefault(line["prompt_index"], []).append(line["reward"])
+        sources[line["prompt_index"]] = line["data_source"]
+    order = sorted(rewards)
+    table = np.asarray([rewards[i] for i in order], dtype=np.float32).reshape(len(order), n)
+    metrics = validation_metrics(table, [sources[i] for i in order], -1)
     del metrics["val/param_version"]
-    return metrics, skipped
+    return metrics
+
+
+def process_devices(processes: int, per_process: int) -> list[str | None]:
+    """Each process's CUDA_VISIBLE_DEVICES (``per_process`` GPUs each, from those this
+    process sees), or None each without GPUs."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return [None] * processes
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if processes * per_process > len(gpus):
+        raise EvalError(f"--processes {processes} x rollout.tensor_parallel_size {per_process} "
+                        f"needs {processes * per_process} GPUs; this node has {len(gpus)}")  # fmt: skip
+    return [",".join(gpus[p * per_process : (p + 1) * per_process]) for p in range(processes)]
+
+
+def generate_in_processes(cfg: Config, task: Task, model: Path, share_count: int, processes: int,
+                          n: int, temperature: float, tmp: Path) -> tuple[list[dict], int]:  # fmt: skip
+    """The shares split among ``processes`` (process p: shares p, p + processes, ...), each
+    its own engine (on its own GPUs), running at once; their lines and skipped prompts.
+    More processes than shares: one share each (the run's batches are then not kept)."""
+    share_count = max(share_count, processes)
+    from hpc_asyncppo.config import to_yaml
+
+    if processes == 1:
+        skipped = generate(cfg, task, model, list(range(share_count)),
+                           share_count, n, temperature, tmp / GENERATIONS)  # fmt: skip
+        return read_lines(tmp / GENERATIONS), skipped
+    (tmp / "config.yaml").write_text(to_yaml(cfg))
+    devices = process_devices(processes, cfg.rollout.tensor_parallel_size)
+    procs = []
+    for p in range(processes):
+        shares = list(range(p, share_count, processes))
+        spec = {"config": str(tmp / "config.yaml"), "model": str(model), "shares": shares,
+                "share_count": share_count, "n": n, "temperature": temperature,
+                "out": str(tmp / f"part{p}.jsonl")}  # fmt: skip
+        (tmp / f"part{p}.json").write_text(json.dumps(spec))
+        env = dict(os.environ)
+        if devices[p] is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices[p]
+        cmd = [sys.executable, "-m", "hpc_asyncppo.eval", "--part", str(tmp / f"part{p}.json")]
+        with (tmp / f"part{p}.log").open("w") as log_file:
+            procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env))
+    try:
+        while any(proc.poll() is None for proc in procs):
+            failed = [p for p, proc in enumerate(procs) if proc.poll() not in (None, 0)]
+            if failed:
+                break
+            time.sleep(0.5)
+        for p, proc in enumerate(procs):
+            if proc.poll() not in (None, 0):
+                tail = (tmp / f"part{p}.log").read_text().strip().splitlines()[-1:] or [""]
+                raise EvalFailed(f"eval process {p} of {processes} failed (exit code "
+                                 f"{proc.returncode}): {tail[0][:300]}")  # fmt: skip
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    lines, skipped = [], 0
+    for p in range(processes):
+        lines += read_lines(tmp / f"part{p}.jsonl")
+        skipped += json.loads((tmp / f"part{p}.done").read_text())["skipped"]
+    with (tmp / GENERATIONS).open("w") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+    for name in [
+        f"part{p}{ext}" for p in range(processes) for ext in (".json", ".jsonl", ".log", ".done")
+    ]:
+        (tmp / name).unlink()
+    (tmp / "config.yaml").unlink()
+    return lines, skipped
+
+
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def load_val_task_of(cfg: Config) -> Task:
+    from hpc_asyncppo.tasks import load_val_task
+
+    return load_val_task(cfg.data)
+
+
+def part_main(spec_path: str) -> int:
+    """One of ``--processes``' processes (``--part SPEC.json``, written by the first)."""
+    from hpc_asyncppo.config import load_resolved
+
+    spec = json.loads(Path(spec_path).read_text())
+    cfg = load_resolved(spec["config"])
+    skipped = generate(cfg, load_val_task_of(cfg), Path(spec["model"]), spec["shares"],
+                       spec["share_count"], spec["n"], spec["temperature"], Path(spec["out"]))  # fmt: skip
+    Path(spec["out"]).with_suffix(".done").write_text(json.dumps({"skipped": skipped}))
+    return 0
 
 
 def run_eval(
@@ -227,9 +339,11 @@ def run_eval(
     out: Path | None = None,
     overrides: list[str] | None = None,
     config: str | None = None,
+    processes: int = 1,
 ) -> tuple[Path, dict]:
     """Evaluate; returns OUT and the summary written there. EvalError, ConfigError,
-    DatasetError or ExportError (one line each) on bad input, with nothing written."""
+    DatasetError or ExportError (one line each) on bad input, with nothing written;
+    EvalFailed when a process failed."""
     from hpc_asyncppo.export import candidate_checkpoints, export_checkpoint
     from hpc_asyncppo.tasks import load_val_task
 
@@ -238,8 +352,9 @@ def run_eval(
     task = load_val_task(cfg.data)  # the data and the reward, before any weights are read
     n = cfg.rollout.val_n if n is None else n
     temperature = cfg.rollout.val_temperature if temperature is None else temperature
-    if n < 1 or temperature < 0:
-        raise EvalError(f"--n {n} --temperature {temperature}: n must be >= 1, temperature >= 0")
+    if n < 1 or temperature < 0 or processes < 1:
+        raise EvalError(f"--n {n} --temperature {temperature} --processes {processes}: n and "
+                        "processes must be >= 1, temperature >= 0")  # fmt: skip
     checkpoint = None
     if target.run_dir is not None:
         checkpoint = candidate_checkpoints(target.run_dir, target.step)[0]  # checks --step
@@ -256,11 +371,16 @@ def run_eval(
         if target.run_dir is not None:
             model = tmp / "weights"
             checkpoint = export_checkpoint(target.run_dir, model, target.step, cfg.model.dtype)
-        metrics, skipped = evaluate(cfg, task, model, ranks, n, temperature, tmp)
+        lines, skipped = generate_in_processes(
+            cfg, task, model, ranks, processes, n, temperature, tmp
+        )
+        if not lines:
+            raise EvalError(f"data.val={cfg.data.val}: no prompt fits data.max_prompt_length="
+                            f"{cfg.data.max_prompt_length}; raise it")  # fmt: skip
         if target.run_dir is not None:
             shutil.rmtree(model)
         summary = {
-            **metrics,
+            **metrics_of(lines, n),
             "val/skipped_prompts": skipped,
             "target": str(target.run_dir or target.model),
             "checkpoint": str(checkpoint) if checkpoint else None,
@@ -272,6 +392,7 @@ def run_eval(
             "temperature": temperature,
             "engine": cfg.rollout.engine,
             "dtype": cfg.model.dtype,
+            "processes": processes,
             "seconds": round(time.monotonic() - start, 1),
         }
         (tmp / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
@@ -327,7 +448,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m hpc_asyncppo.eval
     parser.add_argument(
         "--out", type=Path, default=None, help="new folder (default RUN_DIR/eval/step_N-<data>)"
     )
+    parser.add_argument(
+        "--processes", type=int, default=1,
+        help="engines at once, each on its own GPUs (rollout.tensor_parallel_size each)",
+    )  # fmt: skip
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--part"]:
+        return part_main(argv[1])
     args = parser.parse_intermixed_args(argv)  # overrides may come before or after flags
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from hpc_asyncppo.checkpoint.store import CheckpointError
@@ -336,10 +465,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m hpc_asyncppo.eval
 
     try:
         out, summary = run_eval(args.target, args.step, args.data, args.n, args.temperature,
-                                args.out, args.overrides, args.config)  # fmt: skip
+                                args.out, args.overrides, args.config, args.processes)  # fmt: skip
     except (EvalError, ConfigError, DatasetError, ExportError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except EvalFailed as exc:
+        print(f"error: {exc}; nothing was written", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
         return 130
