@@ -1,8 +1,11 @@
 """Bad input through the real CLI: one line on stderr naming the input, the right exit code,
 no traceback, and nothing half-written.
 
-Every case runs ``python -m hpc_asyncppo.submit ...`` in a subprocess (cwd = the repository)
-and checks: the exit code (2: the input is wrong, 1: the input is fine but something failed);
+Every case runs the CLI, ``hpc_asyncppo.submit``'s ``main`` (cwd = the repository): as
+``python -m hpc_asyncppo.submit ...`` in a subprocess for the cases that start ranks, set
+the environment or are in ``SUBPROCESS_CASES`` (the interpreter's own start and exit), in
+this process for the others (the same code, without an interpreter's start each), and
+checks: the exit code (2: the input is wrong, 1: the input is fine but something failed);
 no "Traceback" on stderr; its error is one line (``error: ...``; ``warning: ...`` lines may
 come first), or for a failure inside the ranks that line plus one ``  rank ...`` line per
 failed rank; one line holds every key word below. Cases that fail before any rank starts
@@ -71,7 +74,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from transformers.utils import logging as hf_logging
 
+from hpc_asyncppo import submit
 from hpc_asyncppo.runlog import read_jsonl
 from tests.conftest import QWEN2_5_7B_CONFIG
 from tests.harness import REPO, Run
@@ -413,6 +418,10 @@ CASES: dict[str, Case] = {
     ),
 }
 MPI_CASES = {"disk_full_at_checkpoint"}
+# also through a fresh interpreter: a bad flag (argparse's exit), a bad config file, a
+# model path that is missing, a run directory that cannot be written
+SUBPROCESS_CASES = {"flag_unknown", "yaml_file_malformed", "model_path_missing",
+                    "run_dir_under_a_file"}  # fmt: skip
 
 
 def snapshot(root: Path) -> dict[str, bytes | None]:
@@ -438,20 +447,38 @@ def workspace(tmp_path: Path) -> Iterator[Workspace]:
     "name",
     [pytest.param(n, marks=pytest.mark.mpi) if n in MPI_CASES else n for n in CASES],
 )
-def test_bad_input_is_one_clear_line(name: str, workspace: Workspace) -> None:
+def test_bad_input_is_one_clear_line(
+    name: str, workspace: Workspace, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     case = CASES[name]
     args = case.args(workspace)
-    env = {**os.environ, **case.env(workspace)}
+    extra_env = case.env(workspace)
     new_dirs = [d for d in run_dirs_given(args) if not d.exists()]
     before = snapshot(workspace.tmp)
-    proc = subprocess.run(
-        [sys.executable, "-m", "hpc_asyncppo.submit", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=300,  # a hang, not a speed claim
-    )
+    if extra_env or not case.before_ranks or name in SUBPROCESS_CASES:
+        proc = subprocess.run(
+            [sys.executable, "-m", "hpc_asyncppo.submit", *args],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, **extra_env},
+            timeout=300,  # a hang, not a speed claim
+        )
+    else:  # submit's own main in this process: the same code without an interpreter's start
+        monkeypatch.chdir(REPO)
+        monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # submit's, undone after
+        capsys.readouterr()
+        # what HF_HUB_DISABLE_PROGRESS_BARS, which submit sets, does in a fresh interpreter
+        # (transformers reads it once, at its import)
+        hf_logging.disable_progress_bar()
+        try:
+            code = submit.main(args)
+        except SystemExit as exc:  # argparse's refusals
+            code = exc.code
+        finally:
+            hf_logging.enable_progress_bar()
+        said = capsys.readouterr()
+        proc = subprocess.CompletedProcess(args, code, said.out, said.err)
     err = proc.stderr
     assert proc.returncode == case.code, err
     assert "Traceback" not in err, err

@@ -29,6 +29,7 @@ from hpc_asyncppo.config import (
     to_yaml,
 )
 from hpc_asyncppo.export import INDEX
+from hpc_asyncppo.export import main as export_main
 from hpc_asyncppo.models.tiny import build_tiny_qwen2
 from hpc_asyncppo.paths import HF_FINAL
 from hpc_asyncppo.tasks import load_task
@@ -164,20 +165,26 @@ def test_vllm_loads_the_export_and_generates_the_trainers_log_probs(
 
 
 @pytest.mark.mpi
-def test_bad_input_gets_one_line_and_leaves_nothing(run_dir, tmp_path):
+def test_bad_input_gets_one_line_and_leaves_nothing(run_dir, tmp_path, capsys):
+    def export_here(*args: str | Path) -> subprocess.CompletedProcess:
+        """The export's main in this process (the command line itself: the first case)."""
+        code = export_main([str(a) for a in args])
+        said = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, said.out, said.err)
+
     one_line_error(export(tmp_path / "nope", tmp_path / "a"), "nope", "does not exist")
     not_a_run = tmp_path / "empty"
     not_a_run.mkdir()
-    one_line_error(export(not_a_run, tmp_path / "a"), "config.yaml")
+    one_line_error(export_here(not_a_run, tmp_path / "a"), "config.yaml")
     no_checkpoint = tmp_path / "no_ckpt"
     no_checkpoint.mkdir()
     shutil.copy(run_dir / "config.yaml", no_checkpoint)
-    one_line_error(export(no_checkpoint, tmp_path / "a"), "no checkpoint", "save_final")
-    one_line_error(export(run_dir, tmp_path / "a", "--step", "4"), "step 4", "3, 6")
+    one_line_error(export_here(no_checkpoint, tmp_path / "a"), "no checkpoint", "save_final")
+    one_line_error(export_here(run_dir, tmp_path / "a", "--step", "4"), "step 4", "3, 6")
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "x").write_text("mine")
-    one_line_error(export(run_dir, taken), str(taken), "not an empty folder")
+    one_line_error(export_here(run_dir, taken), str(taken), "not an empty folder")
     assert [p.name for p in taken.iterdir()] == ["x"]
     assert not (tmp_path / "a").exists() and leftovers(tmp_path) == []
 
