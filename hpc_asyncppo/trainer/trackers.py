@@ -24,11 +24,17 @@ sent twice, so each step is in the tracker once (the first attempt's values). Ea
 after the first logs ``run/attempt``, ``run/restarts``, ``run/preemptions``,
 ``run/lost_s`` and ``run/requeue_wait_s`` (``goodput.py``) at its resumed step.
 
+A tracker that fails mid-run (W&B's writer process killed by the job's stop signal, a
+tracking server gone) is dropped for the rest of the attempt with one warning (the rows it
+missed are not sent later): a tracker never ends a run, and ``metrics.jsonl`` keeps every
+row.
+
 Memory: nothing per step beyond the row being sent (W&B's writer is its own process).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -223,8 +229,9 @@ class Trackers:
                       if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}  # fmt: skip
             if self.wandb is not None:
                 counter = self.state["wandb"]["sent"]
-                self.wandb.log({**values, STEP_KEY: step}, step=counter)
-                self.state["wandb"]["sent"] = counter + 1
+                row_values = {**values, STEP_KEY: step}
+                if self._guard("wandb", self.wandb.log, row_values, step=counter):
+                    self.state["wandb"]["sent"] = counter + 1
             if self.mlflow is not None:
                 from mlflow.entities import Metric
 
@@ -232,7 +239,9 @@ class Trackers:
                 stamp = int(float(row.get("time/unix", 0)) * 1000)
                 metrics = [Metric(mlflow_name(k), float(v), stamp, step) for k, v in values.items()]
                 for start in range(0, len(metrics), 1000):  # MLflow's batch limit
-                    client.log_batch(run_id, metrics=metrics[start : start + 1000])
+                    batch = metrics[start : start + 1000]
+                    if not self._guard("mlflow", client.log_batch, run_id, metrics=batch):
+                        break
             if not force:
                 self.state[kind] = step
             sent = True
@@ -244,12 +253,33 @@ class Trackers:
         tmp.write_text(json.dumps(self.state) + "\n")
         tmp.replace(self.path)
 
+    def _guard(self, name: str, call: Any, *args: Any, **kwargs: Any) -> bool:
+        """Make one call to a tracker; a tracker that fails (its W&B process killed by the
+        job's stop signal, its store gone) is dropped for the rest of the attempt with one
+        warning: training and metrics.jsonl go on, a tracker never ends a run."""
+        try:
+            call(*args, **kwargs)
+            return True
+        except Exception as exc:  # noqa: BLE001 - whatever the tracker's client raises
+            log.warning("trainer.logger %s failed (%s: %s); it logs nothing more in this "
+                        "attempt, metrics.jsonl has every row", name, type(exc).__name__,
+                        " ".join(str(exc).split())[:200])  # fmt: skip
+            setattr(self, name, None)
+            if name == "wandb":  # its service connection, or its exit hook says so again
+                import wandb
+
+                with contextlib.suppress(Exception):
+                    wandb.teardown()
+            return False
+
     def close(self, finished: bool) -> None:
         """``finished``: the run reached its last step (else it stopped, to be resumed)."""
         if self.wandb is not None:
-            self.wandb.finish(exit_code=0 if finished else 1)
+            self._guard("wandb", self.wandb.finish, exit_code=0 if finished else 1)
             self.wandb = None
         if self.mlflow is not None:
             client, run_id = self.mlflow
-            client.set_terminated(run_id, "FINISHED" if finished else "KILLED")
+            self._guard(
+                "mlflow", client.set_terminated, run_id, "FINISHED" if finished else "KILLED"
+            )
             self.mlflow = None

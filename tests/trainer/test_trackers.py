@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
+import os
+import signal
 import socket
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -58,6 +63,9 @@ def test_a_resumed_run_logs_each_step_once_in_the_same_tracker_runs(tmp_path, ca
     attempts(run_dir,
              {"attempt": 0, "requeue_wait_s": 0.0, "lost_s": 0.0, "reason": "signal SIGTERM"},
              {"attempt": 1, "requeue_wait_s": 5.0, "lost_s": 2.0, "reason": None})  # fmt: skip
+    # W&B names a run's folder by its start to the second: an attempt starts seconds after
+    # the last one's end, here at once, so the next second is waited for
+    time.sleep(1.05 - time.time() % 1)
     second = Trackers(cfg, run_dir, 3)
     for step in range(4, STEPS + 1):
         second.write([step_row(step, 0.9)])
@@ -98,6 +106,34 @@ def test_a_resumed_run_logs_each_step_once_in_the_same_tracker_runs(tmp_path, ca
     history = client.get_metric_history(run.info.run_id, "val/pass_at_1")
     assert sorted((m.step, m.value) for m in history) == [(4, 0.25), (8, 0.75)]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "run/attempt")] == [3]
+
+
+def test_a_tracker_that_dies_is_dropped_and_the_others_go_on(tmp_path, caplog):
+    """W&B's writer process killed (as a job's stop signal reaches every process under
+    Slurm) before step 3: its rows stop there with one warning, MLflow gets every step, and
+    closing raises nothing."""
+    cfg = load_config(None, ["trainer.logger=[wandb,mlflow]", "trainer.total_steps=4"])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    tracked = Trackers(cfg, run_dir, 0)
+    tracked.write([step_row(1, 0.1), step_row(2, 0.2)])
+    cores = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "wandb-core"],
+                           capture_output=True, text=True).stdout.split()  # fmt: skip
+    assert len(cores) == 1, cores
+    os.kill(int(cores[0]), signal.SIGKILL)
+    os.waitpid(int(cores[0]), 0)
+    with caplog.at_level(logging.WARNING):
+        tracked.write([step_row(3, 0.3), step_row(4, 0.4)])
+        tracked.close(finished=True)
+    warned = [
+        r.getMessage() for r in caplog.records if "trainer.logger wandb failed" in r.getMessage()
+    ]
+    assert len(warned) == 1, warned
+    # what its killed writer had put on disk, at most the rows before the kill
+    assert {r["trainer/step"] for r in wandb_history(run_dir)} <= {1, 2}
+    client, run = mlflow_run(run_dir)
+    history = client.get_metric_history(run.info.run_id, "reward/mean")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4] and run.info.status == "FINISHED"
 
 
 def test_auto_goes_offline_without_a_key_or_a_way_to_w_and_b(monkeypatch):
