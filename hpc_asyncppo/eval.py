@@ -47,17 +47,14 @@ in the job: use the run's validation, ``trainer.test_freq``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 from hpc_asyncppo.config import Config, ConfigError, load_config
 from hpc_asyncppo.paths import CHECKPOINTS, CONFIG, LAUNCH
@@ -66,13 +63,6 @@ from hpc_asyncppo.tasks import Task
 GENERATIONS = "generations.jsonl"
 SUMMARY = "summary.json"
 EVAL = "eval"  # RUN_DIR/eval/: the default place of a run's evals
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line (not usage + error) and exit code 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 class EvalError(ValueError):
@@ -312,19 +302,14 @@ def read_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def load_val_task_of(cfg: Config) -> Task:
-    from hpc_asyncppo.tasks import load_val_task
-
-    return load_val_task(cfg.data)
-
-
 def part_main(spec_path: str) -> int:
     """One of ``--processes``' processes (``--part SPEC.json``, written by the first)."""
     from hpc_asyncppo.config import load_resolved
+    from hpc_asyncppo.tasks import load_val_task
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = load_resolved(spec["config"])
-    skipped = generate(cfg, load_val_task_of(cfg), Path(spec["model"]), spec["shares"],
+    skipped = generate(cfg, load_val_task(cfg.data), Path(spec["model"]), spec["shares"],
                        spec["share_count"], spec["n"], spec["temperature"], Path(spec["out"]))  # fmt: skip
     Path(spec["out"]).with_suffix(".done").write_text(json.dumps({"skipped": skipped}))
     return 0
@@ -344,7 +329,7 @@ def run_eval(
     """Evaluate; returns OUT and the summary written there. EvalError, ConfigError,
     DatasetError or ExportError (one line each) on bad input, with nothing written;
     EvalFailed when a process failed."""
-    from hpc_asyncppo.export import candidate_checkpoints, export_checkpoint
+    from hpc_asyncppo.export import candidate_checkpoints, export_checkpoint, write_atomically
     from hpc_asyncppo.tasks import load_val_task
 
     target = find_target(target_path, step)
@@ -362,10 +347,10 @@ def run_eval(
     else:
         out = out_folder(target, out, None, cfg.data.val)
     check_out(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    summary: dict = {}
+
+    def write(tmp: Path) -> None:
+        nonlocal checkpoint
         start = time.monotonic()
         model = target.model
         if target.run_dir is not None:
@@ -379,7 +364,7 @@ def run_eval(
                             f"{cfg.data.max_prompt_length}; raise it")  # fmt: skip
         if target.run_dir is not None:
             shutil.rmtree(model)
-        summary = {
+        summary.update({
             **metrics_of(lines, n),
             "val/skipped_prompts": skipped,
             "target": str(target.run_dir or target.model),
@@ -394,13 +379,10 @@ def run_eval(
             "dtype": cfg.model.dtype,
             "processes": processes,
             "seconds": round(time.monotonic() - start, 1),
-        }
+        })  # fmt: skip
         (tmp / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
-        check_out(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_atomically(out, write)  # export.py's: a temporary folder, fsynced, renamed
     return out, summary
 
 
@@ -423,6 +405,8 @@ def format_summary(summary: dict, out: Path) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m hpc_asyncppo.eval") -> int:
+    from hpc_asyncppo.submit import OneLineParser  # a bad flag is one line
+
     parser = OneLineParser(
         prog=prog,
         description="Score a run's checkpoint (or a model folder) on a data set with the "
