@@ -48,21 +48,32 @@ from hpc_asyncppo.transport.samples import SampleGroup
 from tests.harness import end_leftover_runs
 
 
-def vllm_environment(root: Path) -> dict[str, str]:
+def vllm_environment(root: Path, cache: Path) -> dict[str, str]:
     """The environment a vLLM test sets: offline, no torch.compile (20 s for vLLM's log-prob
-    helper), a 1 GiB KV cache, its caches under ``root`` and its temp files in a new folder
-    of /tmp: vLLM's IPC sockets live in TMPDIR, and a socket's path has at most 107
-    characters (pytest's tmp_path under a pytest-xdist worker is already 80)."""
+    helper), a 1 GiB KV cache, its temp files in a new folder of /tmp (vLLM's IPC sockets
+    live in TMPDIR, and a socket's path has at most 107 characters: pytest's tmp_path under
+    a pytest-xdist worker is already 80), inductor's cache under ``root`` and vLLM's in
+    ``cache`` (the ``vllm_cache`` fixture's, shared by the suite's engines: there vLLM keeps
+    what it learned of a model class in a subprocess, about 10 s of CPU per cold start)."""
     root.mkdir(parents=True, exist_ok=True)
     return {
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "TORCH_COMPILE_DISABLE": "1",
-        "VLLM_CACHE_ROOT": str(root / "vllm_cache"),
+        "VLLM_CACHE_ROOT": str(cache),
         "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
         "TMPDIR": tempfile.mkdtemp(prefix="vllm-", dir="/tmp"),
     }
+
+
+@pytest.fixture(scope="session")
+def vllm_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """vLLM's cache folder (VLLM_CACHE_ROOT) for the whole pytest run, both workers'
+    engines included: its files are written atomically and checked against the source they
+    describe, as in a user's ~/.cache/vllm."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "vllm_cache"
 
 
 # Qwen2.5-7B-Instruct's config.json, the sizes that decide memory (no weights needed)

@@ -141,12 +141,12 @@ def test_bf16_export_is_exactly_the_bf16_trainers(run_dir, tmp_path):
 
 @pytest.mark.mpi
 def test_vllm_loads_the_export_and_generates_the_trainers_log_probs(
-    run_dir, tmp_path, monkeypatch, log_probs_of
+    run_dir, tmp_path, monkeypatch, log_probs_of, vllm_cache
 ):
     pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install.sh --with-vllm)")
     from hpc_asyncppo.rollout.vllm_engine import VLLMEngine
 
-    for key, value in vllm_environment(tmp_path).items():
+    for key, value in vllm_environment(tmp_path, vllm_cache).items():
         monkeypatch.setenv(key, value)
     out = tmp_path / "hf"
     assert export(run_dir, out).returncode == 0

@@ -25,8 +25,8 @@ process). Moments, each at a number:
 ``rank`` (world rank) filters every moment.
 
 A fault fires once per run: before it acts it is appended to ``RUN_DIR/faults_fired.jsonl``
-(``RUN_DIR`` from ``HPC_ASYNCPPO_RUN_DIR``, which each rank sets for its children), and a
-fault listed there never fires again, in this attempt, a restarted engine or a resumed
+with its process and wall time (``RUN_DIR`` from ``HPC_ASYNCPPO_RUN_DIR``, which each rank
+sets for its children), and a fault listed there never fires again, in this attempt, a restarted engine or a resumed
 attempt. What a process keeps: nothing (the list is read where a moment comes).
 """
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,7 +127,7 @@ def _fired_before(fault: Fault) -> bool:
 
 def _record(fault: Fault) -> None:
     with _log().open("a") as f:
-        f.write(json.dumps({"fault": fault.spec, "pid": os.getpid()}) + "\n")
+        f.write(json.dumps({"fault": fault.spec, "pid": os.getpid(), "time": time.time()}) + "\n")
         f.flush()
         os.fsync(f.fileno())
 

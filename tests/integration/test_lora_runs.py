@@ -26,7 +26,6 @@ from tests.harness import REPO, Run, check_audit, check_weights_match
 
 pytestmark = pytest.mark.mpi
 CPU = torch.device("cpu")
-STEPS = 10
 LORA = ["actor.lora_rank=4", "actor.lora_alpha=8", "actor.lr=1e-2"]
 
 
@@ -37,12 +36,14 @@ def qwen2_model(out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """10 steps: SIGTERM after step 3 on two trainer ranks, the rest resumed on one."""
+    """SIGTERM after step 3 on two trainer ranks; resumed on one for 7 steps more. The first
+    attempt's end is out of reach of a test process the machine starves for seconds: the
+    resume sets the run's length (``steps_of``)."""
     root = tmp_path_factory.mktemp("lora_run")
     model = qwen2_model(root / "qwen2")
     run = root / "run"
     args = [f"model.path={model}", *LORA, "actor.ppo_mini_batch_size=4", "data.num_prompts=64",
-            f"trainer.total_steps={STEPS}", "trainer.record_weight_digests=true", "rollout.record_sent_groups=true",
+            "trainer.total_steps=100000", "trainer.record_weight_digests=true", "rollout.record_sent_groups=true",
             "checkpoint.save_every=0", "timeouts.sample_wait_s=120",
             # a sync after every step: a checkpoint taken between syncs goes out as a new
             # version on resume, which check_audit's sync schedule does not model
@@ -50,19 +51,26 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     job = Run.start(run, *args, train_ranks=2)
     job.wait_for_step(3)
     job.stop()  # exit 143, "continue with" the resume
-    done = job.resume(train_ranks=1).finish()
+    steps = protocol.checkpoint_step(protocol.list_checkpoints(run)[0]) + 7
+    done = job.resume(f"trainer.total_steps={steps}", train_ranks=1).finish()
     assert done.returncode == 0, done.stdout + done.stderr
     return run
 
 
+def steps_of(run_dir: Path) -> int:
+    """The run's length, as its last attempt was asked for."""
+    return load_resolved(run_dir / "config.yaml").trainer.total_steps
+
+
 def test_a_lora_run_syncs_adapters_only_and_resumes_exactly_once(run_dir):
+    steps = steps_of(run_dir)
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert metrics[-1]["step"] == STEPS
+    assert metrics[-1]["step"] == steps
     trained = check_audit(run_dir, sync_every=1, max_staleness=4)
-    assert len({r["uid"] for r in trained}) == len(trained) == STEPS * 4 * 8
+    assert len({r["uid"] for r in trained}) == len(trained) == steps * 4 * 8
     # both attempts' leaders (rank 1, then rank 1 again) digested what they sent; the
     # rollout rank, what it received: the adapters, equal at every version
-    check_weights_match(run_dir, rollout_ranks=1, versions=STEPS + 1)  # a sync after each step
+    check_weights_match(run_dir, rollout_ranks=1, versions=steps + 1)  # a sync after each step
     # what crossed the sync: the adapters, a small part of the model's bytes
     sent = metrics[-1]["sync/bytes"]
     model_bytes = sum(

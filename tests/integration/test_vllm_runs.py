@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_asyncppo.checkpoint.protocol import list_checkpoints
+from hpc_asyncppo.checkpoint.protocol import checkpoint_step, list_checkpoints
 from hpc_asyncppo.checkpoint.store import CheckpointReader
 from hpc_asyncppo.runlog import read_jsonl, read_rank_info
 from tests.conftest import vllm_environment
@@ -35,8 +35,8 @@ VLLM = [
 
 
 @pytest.fixture(autouse=True)
-def vllm_env(tmp_path, monkeypatch):
-    for key, value in vllm_environment(tmp_path).items():
+def vllm_env(tmp_path, monkeypatch, vllm_cache):
+    for key, value in vllm_environment(tmp_path, vllm_cache).items():
         monkeypatch.setenv(key, value)
 
 
@@ -177,14 +177,16 @@ def test_partial_rollout_stop_signals_and_dead_engines_lose_nothing(tmp_path):
     # train in a fraction of the ~100 decoding steps a response takes, each rank generates
     # one group at a time (with ignore_eos, groups started together would end together and
     # then all wait for the same sync) and the budget (staleness 2: 6 groups) leaves each
-    # rank credits in hand while it generates. The stop is sent once step 2 is logged;
-    # however late a starved test process sends it, 16 steps leave the run far from its end.
-    steps, groups, n = 16, 2, 4
+    # rank credits in hand while it generates. The stop is sent once step 2 is logged, by a
+    # test process the machine may starve for seconds (10 s are 14 steps here), so the
+    # first attempt's end is out of reach: the resume sets the run's length, 13 steps past
+    # the step it stopped at.
+    groups, n = 2, 4
     args = [*VLLM, "rollout.tensor_parallel_size=2", "async_training.partial_rollout=true",
             "async_training.trigger_parameter_sync_step=1", f"actor.ppo_mini_batch_size={groups}",
             f"rollout.n={n}", "rollout.response_length=96", "rollout.ignore_eos=true",
             "rollout.prompts_per_generate=1", "async_training.staleness_threshold=2.0",
-            f"trainer.total_steps={steps}"]  # fmt: skip
+            "trainer.total_steps=100000"]  # fmt: skip
     run = Run.start(run_dir, *args, rollout_ranks=1, train_ranks=2)
     run.wait_for_step(2)
     pids = descendants_of(run_dir, 0)
@@ -198,6 +200,7 @@ def test_partial_rollout_stop_signals_and_dead_engines_lose_nothing(tmp_path):
             os.kill(pid, signal.SIGTERM)
     run.stop()  # exit 143, "continue with" the resume
     (folder,) = list_checkpoints(run_dir)[:1]
+    steps = checkpoint_step(folder) + 13
     with CheckpointReader(folder / "rollout0.h5") as reader:
         cut = reader.get("partial") or []
     assert any(0 < int(g["response_lengths"].max()) < 96 for g in cut), cut
@@ -213,8 +216,8 @@ def test_partial_rollout_stop_signals_and_dead_engines_lose_nothing(tmp_path):
     # engine_stall_s 20 s: far beyond what a healthy engine starved of CPU goes without a
     # step here, so that no healthy engine counts as stalled
     faults = "kill_engine@bucket=1:rank=0:sync=2"
-    run.resume("rollout.tensor_parallel_size=1", "rollout.engine_stall_s=20",
-               "trainer.max_restarts=0", rollout_ranks=2, train_ranks=1,
+    run.resume(f"trainer.total_steps={steps}", "rollout.tensor_parallel_size=1",
+               "rollout.engine_stall_s=20", "trainer.max_restarts=0", rollout_ranks=2, train_ranks=1,
                env={"HPC_ASYNCPPO_FAULTS": faults})  # fmt: skip
     proc = run.finish()
     assert proc.returncode == 0, proc.stdout + proc.stderr

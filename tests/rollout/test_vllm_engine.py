@@ -56,10 +56,10 @@ BUCKET_MB = 1 / 16  # 64 KiB buckets: the model takes about 80 of them
 
 
 @pytest.fixture(scope="module")
-def vllm_env(tmp_path_factory: pytest.TempPathFactory):
-    """Offline, no torch.compile, every cache and temp file under a test folder."""
+def vllm_env(tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path):
+    """Offline, no torch.compile, the temp files under a test folder."""
     root = tmp_path_factory.mktemp("vllm")
-    values = vllm_environment(root)
+    values = vllm_environment(root, vllm_cache)
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     yield root
