@@ -27,7 +27,7 @@ fi
 $PYTHON -c 'import time; t = time.perf_counter(); sum(range(30_000_000)); print(f"test.sh: speed probe: 30M-term sum in {time.perf_counter() - t:.2f} s")'
 $PYTHON -m ruff check .
 $PYTHON -m ruff format --check .
-# The suite starts some 400 Python processes of this code (launchers, ranks, spawned
+# The suite starts about 300 Python processes of this code (launchers, ranks, spawned
 # workers). Where PYTHONDONTWRITEBYTECODE is set (this machine and CI set it), none of them
 # would cache its bytecode and each would compile what it imports again (0.1-0.15 s of CPU
 # a rank): compiled once here, they read it. A stale file is recompiled on import, as usual.
