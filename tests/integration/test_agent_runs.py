@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from hpc_asyncppo.checkpoint.protocol import list_checkpoints
+from hpc_asyncppo.checkpoint.protocol import checkpoint_step, list_checkpoints
 from hpc_asyncppo.checkpoint.store import CheckpointReader
 from hpc_asyncppo.rollout.gateway.addresses import read_addresses
 from hpc_asyncppo.runlog import read_jsonl, split_metrics
@@ -46,10 +46,13 @@ def test_agent_sessions_stopped_in_flight_resume_on_other_rank_counts_trained_on
     it, so the checkpoint holds that session's first turn under older weights than the
     resume's; the second stop two steps into the second attempt."""
     run_dir = tmp_path / "run"
-    steps, val_prompts = 9, 6
+    val_prompts = 6
     write_prompts(tmp_path / "val.jsonl", generate_prompts(val_prompts, seed=99))
     args = [a.replace("slow_and_failing", "gated_slow_and_failing") for a in AGENT]
-    run = Run.start(run_dir, *args, f"trainer.total_steps={steps}",
+    # The stops come from a test process the machine may starve for seconds: the first two
+    # attempts' end is out of reach, and the last resume sets the run's length, 4 steps
+    # past the second stop's checkpoint and 9 at least.
+    run = Run.start(run_dir, *args, "trainer.total_steps=100000",
                     "async_training.partial_rollout=true", f"data.val={tmp_path / 'val.jsonl'}",
                     "trainer.test_freq=3", rollout_ranks=1, train_ranks=1)  # fmt: skip
     run.wait_until(lambda: (run_dir / GATED).exists(), "the gated session's first answer")
@@ -66,7 +69,10 @@ def test_agent_sessions_stopped_in_flight_resume_on_other_rank_counts_trained_on
             turn = gated["token_ids"]
             [held] = [g for g in cut if g["prompt"].tolist() == gated["prompt_token_ids"]
                       and g["response_ids"][j, : len(turn)].tolist() == turn]  # fmt: skip
-        run.resume(rollout_ranks=rollout_ranks)
+        else:
+            steps = max(9, checkpoint_step(list_checkpoints(run_dir)[0]) + 4)
+        run.resume(*([] if rollout_ranks == 2 else [f"trainer.total_steps={steps}"]),
+                   rollout_ranks=rollout_ranks)  # fmt: skip
     stopped_at = run.steps_done()
     proc = run.finish()
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -160,26 +160,29 @@ def test_a_stop_signal_with_validations_in_flight_stops_and_the_resume_validates
     run_dir = tmp_path / "run"
     args = [
         f"data.val={tmp_path / 'val.jsonl'}", "trainer.test_freq=2",
-        "rollout.val_n=4", "rollout.val_temperature=1.0", "trainer.total_steps=24",
+        "rollout.val_n=4", "rollout.val_temperature=1.0", "trainer.total_steps=100000",
         "actor.ppo_mini_batch_size=4", "timeouts.sample_wait_s=120", "timeouts.rank_wait_s=60",
         "trainer.logger=[console,tensorboard,wandb,mlflow]",
     ]  # fmt: skip
     run = Run.start(run_dir, *args)
+    # the stop comes once step 8 is logged, from a test process the machine may starve for
+    # seconds: the first attempt's end is out of reach, the resume sets the run's length
     run.wait_for_step(8)
     run.stop()  # exit 143, "continue with" the resume
     assert (run_dir / "preempted").exists()
     stopped_at = max(r["step"] for r in split_metrics(read_jsonl(run_dir / "metrics.jsonl"))[0])
-    proc = run.resume().finish()
+    total = max(24, stopped_at + 12)
+    proc = run.resume(f"trainer.total_steps={total}").finish()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     steps, vals = split_metrics(read_jsonl(run_dir / "metrics.jsonl"))
-    assert [r["step"] for r in steps] == list(range(1, 25))
-    assert {r["step"] for r in vals} >= set(range(stopped_at + stopped_at % 2, 25, 2))
+    assert [r["step"] for r in steps] == list(range(1, total + 1))
+    assert {r["step"] for r in vals} >= set(range(stopped_at + stopped_at % 2, total + 1, 2))
     assert all(r["step"] % 2 == 0 and r["val/prompts"] == VAL_PROMPTS for r in vals)
     trained = [r["uid"] for r in read_jsonl(run_dir / "trained_samples.jsonl")]
-    assert len(trained) == len(set(trained)) == 24 * 4 * 8
+    assert len(trained) == len(set(trained)) == total * 4 * 8
 
     rows = wandb_history(run_dir)
-    assert [r["trainer/step"] for r in rows if "reward/mean" in r] == list(range(1, 25))
+    assert [r["trainer/step"] for r in rows if "reward/mean" in r] == list(range(1, total + 1))
     validated = sorted(r["trainer/step"] for r in rows if "val/reward/mean" in r)
     assert validated == [r["step"] for r in vals]
     (resumed,) = [r for r in rows if "run/attempt" in r]
@@ -187,6 +190,6 @@ def test_a_stop_signal_with_validations_in_flight_stops_and_the_resume_validates
     client, tracked = mlflow_run(run_dir)
     assert tracked.info.status == "FINISHED"
     history = client.get_metric_history(tracked.info.run_id, "reward/mean")
-    assert sorted(m.step for m in history) == list(range(1, 25))
+    assert sorted(m.step for m in history) == list(range(1, total + 1))
     history = client.get_metric_history(tracked.info.run_id, "val/pass_at_4")
     assert sorted(m.step for m in history) == validated
