@@ -21,13 +21,16 @@ import pytest
 from hpc_asyncppo import report, status
 from hpc_asyncppo import timeline as tl
 from hpc_asyncppo.checkpoint import protocol
+from hpc_asyncppo.config import load_resolved
 from hpc_asyncppo.paths import METRICS, REPORT, TRAINED
 from hpc_asyncppo.runlog import read_jsonl
 from tests.harness import HANG_S, Run
 
 pytestmark = pytest.mark.mpi
 
-KILLED_TOTAL_STEPS = 60  # killed long before the end (a kill comes 2 s in: 7-20 steps)
+# The killed run's end is out of reach of a kill from a test process the machine may starve
+# for seconds; its resumed copy ends RESUMED_STEPS past the checkpoint it resumes from.
+KILLED_TOTAL_STEPS, RESUMED_STEPS = 100_000, 10
 
 
 # A staleness budget of 0.1 (not the default 0.5) keeps the leader's queue shallow: the
@@ -82,7 +85,8 @@ def resumed_run(killed_run: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     """A copy of the killed run, started again: it resumes from its step-5 checkpoint."""
     run_dir = tmp_path_factory.mktemp("report") / "resumed"
     shutil.copytree(killed_run, run_dir)
-    proc = Run(run_dir).resume().finish()
+    total = protocol.checkpoint_step(protocol.list_checkpoints(run_dir)[0]) + RESUMED_STEPS
+    proc = Run(run_dir).resume(f"trainer.total_steps={total}").finish()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return run_dir
 
@@ -239,15 +243,16 @@ def test_killed_run_report_and_status(killed_run: Path, capsys) -> None:
 def test_resumed_run_report(killed_run: Path, resumed_run: Path, capsys) -> None:
     summary = check_report_agrees_with_metrics(resumed_run, capsys)
     assert summary.state == "finished" and summary.attempts == 2
-    assert summary.steps == KILLED_TOTAL_STEPS
-    assert summary.checkpoint.path.name == f"step_{KILLED_TOTAL_STEPS:08d}"
+    total = load_resolved(resumed_run / "config.yaml").trainer.total_steps
+    assert summary.steps == total
+    assert summary.checkpoint.path.name == f"step_{total:08d}"
     data = report.load(resumed_run)
-    assert [r["step"] for r in data.rows] == list(range(1, KILLED_TOTAL_STEPS + 1))
+    assert [r["step"] for r in data.rows] == list(range(1, total + 1))
     # the steps up to the checkpoint it resumed from are the killed attempt's
     resumed_from = data.timeline[data.leader][-1].of("train")[0]["step"] - 1
     killed = {r["step"]: r for r in status.metrics_rows(killed_run)}
     assert resumed_from >= 5
     assert all(r == killed[r["step"]] for r in data.rows[:resumed_from])
     per_step = data.rows[0]["samples/total"]
-    assert len(data.trained) == summary.samples_trained == KILLED_TOTAL_STEPS * per_step
+    assert len(data.trained) == summary.samples_trained == total * per_step
     check_idle_ratios(resumed_run)
