@@ -253,6 +253,28 @@ def test_a_lora_on_a_tied_lm_head_is_refused(tmp_path):
             ["algorithm.rollout_rs=token", "algorithm.rollout_rs_threshold_lower=3"],
             "rollout_rs_threshold_lower=3 .* must be below",
         ),
+        (
+            ["algorithm.rollout_is=sequence", "algorithm.rollout_is_mode=mask"],
+            "rollout_is_mode=mask works per token, not with algorithm.rollout_is=sequence",
+        ),
+        (
+            ["algorithm.rollout_is_mode=mask", "algorithm.rollout_is_threshold_lower=2"],
+            "rollout_is_threshold_lower=2 must be at least 0 and below",
+        ),
+        (
+            ["algorithm.rollout_is_threshold_lower=0.5"],
+            "the bound of algorithm.rollout_is_mode=mask",
+        ),
+        (["algorithm.rollout_is_mode=clip"], "rollout_is_mode"),
+        (["algorithm.m2po_threshold=0"], "m2po_threshold=0 must be > 0"),
+        (
+            [
+                "async_training.use_rollout_log_probs=true",
+                "algorithm.rollout_is=none",
+                "algorithm.m2po_threshold=0.04",
+            ],
+            "M2PO would compare the rollout's log-probs with themselves",
+        ),
         (["reward.overlong_buffer.enable=true"], "overlong_buffer.len=0 must be between 1 and"),
         (
             ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=7"],

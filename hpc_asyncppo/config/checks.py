@@ -38,6 +38,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
         "gae",
     ),
     "algorithm.rollout_is": ("none", "token", "sequence"),
+    "algorithm.rollout_is_mode": ("truncate", "mask"),
     "algorithm.rollout_rs": ("none", "token", "sequence", "geometric"),
     "algorithm.filter_groups.metric": ("acc", "score", "seq_reward", "seq_final_reward"),
     "async_training.mode": ("fully_async", "sync"),
@@ -156,6 +157,7 @@ def _check_combinations(cfg: Config) -> None:
         cfg.async_training.use_rollout_log_probs
         or algo.rollout_is != "none"
         or algo.rollout_rs != "none"
+        or algo.m2po_threshold is not None
     )
     if cfg.rollout.engine == "vllm" and truncated and uses_rollout_lp:
         raise ConfigError(
@@ -188,6 +190,35 @@ def _check_combinations(cfg: Config) -> None:
                 f"rollout_rs_threshold) must be below algorithm.rollout_rs_threshold="
                 f"{algo.rollout_rs_threshold:g}: nothing would be kept; e.g. set "
                 "rollout_rs_threshold=2.0 (geometric: 1.001)"
+            )
+    if algo.rollout_is_mode == "mask":
+        lower = algo.rollout_is_threshold_lower
+        if algo.rollout_is != "token":
+            raise ConfigError(
+                f"algorithm.rollout_is_mode=mask works per token, not with algorithm.rollout_is="
+                f"{algo.rollout_is}; set algorithm.rollout_is=token"
+            )
+        if lower is not None and not 0 <= lower < algo.rollout_is_threshold:
+            raise ConfigError(
+                f"algorithm.rollout_is_threshold_lower={lower:g} must be at least 0 and below "
+                f"algorithm.rollout_is_threshold={algo.rollout_is_threshold:g}: nothing would "
+                "train; e.g. 0.5 with rollout_is_threshold=5.0 (IcePop)"
+            )
+    elif algo.rollout_is_threshold_lower is not None:
+        raise ConfigError(
+            "algorithm.rollout_is_threshold_lower is the bound of algorithm.rollout_is_mode=mask "
+            "(truncation has none); set rollout_is_mode=mask or leave it unset"
+        )
+    if algo.m2po_threshold is not None:
+        if algo.m2po_threshold <= 0:
+            raise ConfigError(
+                f"algorithm.m2po_threshold={algo.m2po_threshold:g} must be > 0 (AReaL's: 0.04)"
+            )
+        if cfg.async_training.use_rollout_log_probs:
+            raise ConfigError(
+                "async_training.use_rollout_log_probs=true with algorithm.m2po_threshold: M2PO "
+                "would compare the rollout's log-probs with themselves (nothing masked); drop "
+                "one of the two"
             )
     overlong = cfg.reward.overlong_buffer
     if overlong.enable and not 1 <= overlong.len <= cfg.rollout.response_length:

@@ -239,6 +239,15 @@ class AlgorithmConfig:
     # (staleness_threshold 0.5), at no extra forward pass (see staleness_threshold).
     rollout_is: str = "token"
     rollout_is_threshold: float = 2.0  # truncation threshold of the importance weights
+    # truncate (TIS, verl) | mask (token level: a weight outside [rollout_is_threshold_lower,
+    # rollout_is_threshold] is 0, its token trains nothing. Lower unset: AReaL's decoupled
+    # PPO with behav_imp_weight_cap (its examples: 5.0); lower 0.5, threshold 5.0: IcePop)
+    rollout_is_mode: str = "truncate"
+    rollout_is_threshold_lower: float | None = None  # mask mode's lower bound; unset: none
+    # M2PO (AReaL): mask out the tokens of the step's batch with the largest squared
+    # log-ratio (rollout - trainer before the update) until the mean of the rest is below
+    # this (AReaL's example: 0.04); unset: off. Masked tokens leave the loss's normalisers.
+    m2po_threshold: float | None = None
     # none | token | sequence | geometric: mask out tokens (token) or whole responses whose
     # ratio pi_old / pi_rollout (per token, product, geometric mean) is outside the bounds.
     # verl's older API names; three differences from verl b178a3c, kept on purpose and

@@ -43,6 +43,7 @@ _KL_ESTIMATORS = {
 }
 KL_KINDS = (*_KL_ESTIMATORS, *(f"{name}+" for name in _KL_ESTIMATORS))
 IS_LEVELS = ("token", "sequence")
+IS_MODES = ("truncate", "mask")
 RS_LEVELS = ("token", "sequence", "geometric")
 
 # Bound on a log-ratio before exp(): exp(20) ~ 4.9e8 is finite in bf16/fp32.
@@ -694,13 +695,23 @@ def rollout_importance_weights(
     response_mask: torch.Tensor,
     level: str,
     threshold: float,
+    mode: str = "truncate",
+    lower: float | None = None,
 ) -> torch.Tensor:
-    """Truncated importance weights pi_old / pi_rollout (rollout engine vs trainer mismatch).
+    """Importance weights pi_old / pi_rollout (rollout engine vs trainer mismatch, and the
+    staleness of the policy that sampled): truncated (TIS, verl's ``rollout_is``) or masked.
 
-    Levels:
+    Levels (mode "truncate"):
         "token": w_t = min(exp(old_t - rollout_t), threshold).
         "sequence": w = min(exp(sum over the response's masked tokens of
             (old_t - rollout_t)), threshold), the same on every token of the response.
+    Mode "mask" (token level only): w_t = exp(old_t - rollout_t) where
+        lower <= w_t <= threshold, else 0. With ``lower`` unset it is AReaL's decoupled PPO
+        with ``behav_imp_weight_cap`` = threshold (the proximal policy is the trainer's
+        weights before the update, the behaviour policy the rollout's); with lower = 0.5,
+        threshold = 5 it is IcePop (Ring-1T, arXiv 2510.18855; OpenRLHF's "icepop"). A
+        token whose weight is outside the bounds trains nothing, and stays in the loss's
+        normalisers (as in both).
     Log-ratios are clamped to [-20, 20] before exp so long responses cannot overflow.
 
     Args:
@@ -708,14 +719,22 @@ def rollout_importance_weights(
         rollout_log_prob: (B, L) log-probs reported by the rollout engine when sampling.
         response_mask: (B, L).
         level: one of IS_LEVELS.
-        threshold: truncation bound (TIS), e.g. 2.0.
+        threshold: truncation bound (TIS), e.g. 2.0; the mask's upper bound, e.g. 5.0.
+        mode: one of IS_MODES.
+        lower: the mask's lower bound (mode "mask"); None: none.
 
     Returns:
         (B, L) detached weights, 0 on masked-out positions.
 
     Raises:
-        ValueError: unknown level (the message lists the valid ones).
+        ValueError: unknown level or mode, or mode "mask" at the sequence level (the
+        message lists the valid ones).
     """
+    if mode not in IS_MODES:
+        raise ValueError(f"unknown importance-weight mode {mode!r}; valid modes: "
+                         f"{', '.join(IS_MODES)}")  # fmt: skip
+    if mode == "mask" and level != "token":
+        raise ValueError(f"importance-weight mode 'mask' works per token, not at level {level!r}")
     mask = response_mask.to(old_log_prob.dtype)
     log_ratio = old_log_prob - rollout_log_prob
     if level == "token":
@@ -727,7 +746,48 @@ def rollout_importance_weights(
             f"unknown importance-weight level {level!r}; valid levels: {', '.join(IS_LEVELS)}"
         )
     weights = torch.exp(torch.clamp(log_weight, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    if mode == "mask":
+        inside = (weights <= threshold) & (weights >= (0.0 if lower is None else lower))
+        return torch.where((mask > 0) & inside, weights, 0.0)
     return torch.where(mask > 0, torch.clamp(weights, max=threshold), 0.0)
+
+
+def m2po_cutoff(squared: torch.Tensor, threshold: float) -> float:
+    """M2PO's selection (Second-Moment Trust Policy Optimization, arXiv 2510.01161, as AReaL
+    implements it: ``get_m2po_loss_mask``): of the squared log-ratios ``squared`` (1-D, every
+    response token of the trainer step's batch, all trainer ranks'; AReaL selects within each
+    micro-batch, which a different split would change), the largest are masked out until
+    the mean of those kept is below ``threshold`` (e.g. 0.04). Returns the bound: a token
+    trains when its squared log-ratio is below it (inf: none masked).
+
+    When no count of masked tokens brings the mean below the threshold, only the smallest
+    values are kept (as AReaL). Differs from AReaL on ties: AReaL masks a count of tokens in
+    its sort's order, which of equal values arbitrary; here every token equal to the
+    smallest one masked is masked too (the mean of those kept stays below the threshold,
+    and the selection is the same whatever the order or the split over ranks)."""
+    if squared.numel() == 0:
+        return float("inf")
+    values = torch.sort(squared.double(), descending=True).values
+    n = values.numel()
+    # the mean of values[i:] for every i: what remains once the i largest are masked
+    suffix = torch.flip(torch.cumsum(torch.flip(values, [0]), 0), [0])
+    means = suffix / torch.arange(n, 0, -1, dtype=torch.float64)
+    below = torch.nonzero(means < threshold)
+    first = int(below[0]) if below.numel() else n - 1
+    return float("inf") if first == 0 else float(values[first - 1])
+
+
+def m2po_keep(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    cutoff: float,
+) -> torch.Tensor:
+    """(B, L) float mask, 1 on the response tokens M2PO keeps (their squared log-ratio
+    (rollout - old)^2 below ``m2po_cutoff``'s bound), 0 elsewhere. Masked tokens leave the
+    loss and its normalisers, as rejection sampling's do."""
+    squared = (rollout_log_prob - old_log_prob).double() ** 2
+    return ((squared < cutoff) & (response_mask > 0)).to(old_log_prob.dtype)
 
 
 @torch.no_grad()

@@ -419,6 +419,11 @@ def ppo_update(policy: Policy, batch: dict[str, torch.Tensor]) -> dict[str, floa
         tokens, total, seqs, responses = policy.all_reduce(counts.cpu()).tolist()
         stats["rollout_rs/masked_fraction"] = tokens / max(total, 1.0)
         stats["rollout_rs/seq_masked_fraction"] = seqs / max(responses, 1.0)
+    if "m2po_keep" in merged:
+        counts = algos.rejection_counts(merged["m2po_keep"], batch["response_mask"])
+        tokens, total, seqs, responses = policy.all_reduce(counts.cpu()).tolist()
+        stats["m2po/masked_fraction"] = tokens / max(total, 1.0)
+        stats["m2po/seq_masked_fraction"] = seqs / max(responses, 1.0)
     return stats
 
 
@@ -490,16 +495,46 @@ def reference_quantities(
     algo = cfg.algorithm
     out.update(advantages.token_advantages(algo, batch, out.get("values"), policy.all_reduce))
     if algo.rollout_is != "none" and "old_log_probs" in out:
-        out["is_weights"] = algos.rollout_importance_weights(
-            out["old_log_probs"], batch["rollout_log_probs"], mask,
-            algo.rollout_is, algo.rollout_is_threshold,
-        )  # fmt: skip
+        out["is_weights"] = importance_weights(cfg, out["old_log_probs"], batch, mask)
     if algo.rollout_rs != "none":  # old_log_probs_from_training() is then False
         out["rs_keep"] = algos.rollout_rejection_mask(
             out["old_log_probs"], batch["rollout_log_probs"], mask,
             algo.rollout_rs, algo.rollout_rs_threshold, algo.rollout_rs_threshold_lower,
         )  # fmt: skip
+    if algo.m2po_threshold is not None:  # here too old_log_probs_from_training() is False
+        squared = (batch["rollout_log_probs"] - out["old_log_probs"]).double() ** 2
+        cutoff = algos.m2po_cutoff(gathered(policy, squared[mask > 0]), algo.m2po_threshold)
+        out["m2po_keep"] = algos.m2po_keep(
+            out["old_log_probs"], batch["rollout_log_probs"], mask, cutoff
+        )
     return out
+
+
+def importance_weights(
+    cfg: Config, old_log_probs: torch.Tensor, batch: dict[str, torch.Tensor], mask: torch.Tensor
+) -> torch.Tensor:
+    """(B, L) ``algorithm.rollout_is``'s weights of old over rollout log-probs."""
+    algo = cfg.algorithm
+    return algos.rollout_importance_weights(
+        old_log_probs, batch["rollout_log_probs"], mask, algo.rollout_is,
+        algo.rollout_is_threshold, algo.rollout_is_mode, algo.rollout_is_threshold_lower,
+    )  # fmt: skip
+
+
+def gathered(policy: Policy, values: torch.Tensor) -> torch.Tensor:
+    """The 1-D float64 ``values`` of every trainer rank, concatenated in rank order (two
+    all-reduces: the counts, then the values in their places). Each rank holds the whole
+    batch's values while it selects: one float64 per response token of the step."""
+    if policy.world == 1:
+        return values.double()
+    rank = dist.get_rank(policy.group)
+    counts = torch.zeros(policy.world, dtype=torch.float64)
+    counts[rank] = values.numel()
+    counts = policy.all_reduce(counts).long()
+    offset = int(counts[:rank].sum())
+    out = torch.zeros(int(counts.sum()), dtype=torch.float64)
+    out[offset : offset + values.numel()] = values.double().cpu()
+    return policy.all_reduce(out)
 
 
 def accumulate_gradients(
@@ -544,10 +579,7 @@ def micro_batch_loss(
     if "old_log_probs" not in mb:  # this forward runs on the weights before the update
         mb = {**mb, "old_log_probs": log_probs.detach()}
         if cfg.algorithm.rollout_is != "none":
-            mb["is_weights"] = algos.rollout_importance_weights(
-                mb["old_log_probs"], mb["rollout_log_probs"], m,
-                cfg.algorithm.rollout_is, cfg.algorithm.rollout_is_threshold,
-            )  # fmt: skip
+            mb["is_weights"] = importance_weights(cfg, mb["old_log_probs"], mb, m)
     if actor.policy_loss.loss_mode == "gspo":
         loss, pg_stats = algos.gspo_policy_loss(
             log_probs, mb["old_log_probs"], mb["advantages"], m,
@@ -584,10 +616,12 @@ def micro_batch_loss(
 
 def loss_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """(B, L) the tokens every loss term counts: the response's, less those rejection
-    sampling masked out (``rs_keep``, when present)."""
-    if "rs_keep" in batch:
-        return batch["response_mask"] * batch["rs_keep"]
-    return batch["response_mask"]
+    sampling and M2PO masked out (``rs_keep``, ``m2po_keep``, when present)."""
+    mask = batch["response_mask"]
+    for key in ("rs_keep", "m2po_keep"):
+        if key in batch:
+            mask = mask * batch[key]
+    return mask
 
 
 def rollout_mismatch(
@@ -598,7 +632,9 @@ def rollout_mismatch(
     micro-batch's shares): ``rollout_corr/kl``, the mean of old minus rollout log-probs;
     ``rollout_corr/k3_kl``, its k3 form (r - 1 - log r with r = pi_old / pi_rollout, >= 0);
     the untruncated token importance weights' mean, the share above
-    ``algorithm.rollout_is_threshold`` (truncated when rollout_is is on) and their max."""
+    ``algorithm.rollout_is_threshold`` (truncated when rollout_is is on) and their max; in
+    ``rollout_is_mode=mask``, ``rollout_corr/is_masked_fraction``: the share outside the
+    bounds, which trains nothing."""
     with torch.no_grad():
         bound = algos.LOG_RATIO_BOUND
         log_ratio = (mb["old_log_probs"] - mb["rollout_log_probs"]).clamp(-bound, bound)
@@ -609,13 +645,19 @@ def rollout_mismatch(
             return algos.aggregate(x, m, "token-mean", normalisers)
 
         weights = torch.where(m > 0, ratio, 0.0)
-        return {
+        stats = {
             "rollout_corr/kl": token_mean(log_ratio),
             "rollout_corr/k3_kl": token_mean(ratio - 1 - log_ratio),
             "rollout_corr/is_weight_mean": token_mean(ratio),
             "rollout_corr/is_truncated_fraction": token_mean((ratio > threshold).to(ratio.dtype)),
             "rollout_corr/is_weight_max": weights.max(),
         }
+        algo = policy.cfg.algorithm
+        if algo.rollout_is != "none" and algo.rollout_is_mode == "mask":
+            lower = algo.rollout_is_threshold_lower or 0.0
+            outside = (ratio > threshold) | (ratio < lower)
+            stats["rollout_corr/is_masked_fraction"] = token_mean(outside.to(ratio.dtype))
+        return stats
 
 
 def old_log_probs_from_training(cfg: Config) -> bool:
@@ -632,6 +674,7 @@ def old_log_probs_from_training(cfg: Config) -> bool:
         # rejection sampling masks tokens out of the loss by their old log-probs: the loss
         # normalisers of the whole mini-batch must be known before the first micro-batch
         and cfg.algorithm.rollout_rs == "none"
+        and cfg.algorithm.m2po_threshold is None  # the same, over the whole batch
         and not cfg.actor.recompute_old_log_probs
     )
 

@@ -368,6 +368,95 @@ def test_importance_weights_reject_unknown_level():
         algos.rollout_importance_weights(t(OLD), t(ROLLOUT), t(IS_MASK), "geometric", 2.0)
 
 
+def test_masked_importance_weights_keep_those_inside_the_bounds_whole():
+    # ratios exp(old - rollout): [[1.649, 0.368, pad], [2.718, 1.649, pad]]
+    weights = algos.rollout_importance_weights(
+        t(OLD), t(ROLLOUT), t(IS_MASK), "token", 2.0, mode="mask", lower=0.5
+    )
+    close(weights, [[math.exp(0.5), 0.0, 0.0], [0.0, math.exp(0.5), 0.0]])
+    # no lower bound (AReaL's decoupled PPO cap): only the one above 2.0 trains nothing
+    weights = algos.rollout_importance_weights(t(OLD), t(ROLLOUT), t(IS_MASK), "token", 2.0,
+                                               mode="mask")  # fmt: skip
+    close(weights, [[math.exp(0.5), math.exp(-1.0), 0.0], [0.0, math.exp(0.5), 0.0]])
+
+
+def test_masked_importance_weights_equal_icepops_published_form():
+    """OpenRLHF's "icepop" (openrlhf/models/loss.py): k = exp(old - rollout), weight
+    k * (low <= k <= high), bounds included, on random log-probs and at both bounds."""
+    gen = torch.Generator().manual_seed(0)
+    old = torch.randn(6, 9, generator=gen, dtype=torch.float64) - 2.0
+    rollout = old + torch.randn(6, 9, generator=gen, dtype=torch.float64)
+    rollout[0, :2] = old[0, :2] - torch.log(torch.tensor([0.5, 5.0], dtype=torch.float64))
+    mask = (torch.rand(6, 9, generator=gen) > 0.2).double()
+    k = torch.exp(old - rollout)
+    expected = k * ((k >= 0.5) & (k <= 5.0)) * mask
+    got = algos.rollout_importance_weights(old, rollout, mask, "token", 5.0, "mask", 0.5)
+    close(got, expected)
+    assert 0 < int(((got == 0) & (mask > 0)).sum()) < int(mask.sum())  # some masked, not all
+
+
+def test_importance_weights_reject_unknown_mode_and_mask_per_sequence():
+    with pytest.raises(ValueError, match="truncate, mask"):
+        algos.rollout_importance_weights(t(OLD), t(ROLLOUT), t(IS_MASK), "token", 2.0, "clip")
+    with pytest.raises(ValueError, match="per token"):
+        algos.rollout_importance_weights(t(OLD), t(ROLLOUT), t(IS_MASK), "sequence", 2.0, "mask")
+
+
+# --- M2PO ---------------------------------------------------------------------------
+
+
+def areal_m2po_kept(squared: list[float], threshold: float) -> list[bool]:
+    """AReaL's selection as published (areal/engine/ppo/actor.py ``get_m2po_loss_mask``),
+    step by step: sort descending, mask the k largest for the first k whose remaining mean
+    is below the threshold (none found: all but the smallest)."""
+    order = sorted(range(len(squared)), key=lambda i: -squared[i])
+    values = [squared[i] for i in order]
+    k = next(
+        (i for i in range(len(values)) if sum(values[i:]) / len(values[i:]) < threshold),
+        len(values) - 1,
+    )
+    kept = [True] * len(squared)
+    for i in order[:k]:
+        kept[i] = False
+    return kept
+
+
+def test_m2po_masks_the_largest_until_the_second_moment_is_below_the_threshold():
+    # sorted: 0.25, 0.09, 0.01, 0.0001; mean 0.0875 >= 0.04; without 0.25: 0.0334 < 0.04
+    squared = torch.tensor([0.01, 0.25, 0.0001, 0.09], dtype=torch.float64)
+    assert algos.m2po_cutoff(squared, 0.04) == pytest.approx(0.25)  # 0.25 and above masked
+    assert algos.m2po_cutoff(squared, 0.1) == float("inf")  # already below: none masked
+    assert algos.m2po_cutoff(squared, 1e-6) == pytest.approx(0.01)  # never: the smallest kept
+    assert algos.m2po_cutoff(torch.zeros(0, dtype=torch.float64), 0.04) == float("inf")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_m2po_keeps_what_areals_selection_keeps(seed):
+    gen = torch.Generator().manual_seed(seed)
+    old = torch.randn(5, 11, generator=gen, dtype=torch.float64) - 2.0
+    rollout = old + 0.3 * torch.randn(5, 11, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(5, 11, generator=gen) > 0.3).double()
+    squared = ((rollout - old) ** 2)[mask > 0]
+    cutoff = algos.m2po_cutoff(squared, 0.04)
+    keep = algos.m2po_keep(old, rollout, mask, cutoff)
+    assert keep[mask > 0].bool().tolist() == areal_m2po_kept(squared.tolist(), 0.04)
+    assert not keep[mask == 0].any()
+    kept = squared[keep[mask > 0].bool()]
+    assert 0 < kept.numel() < squared.numel() and float(kept.mean()) < 0.04
+
+
+def test_m2po_masks_every_token_equal_to_the_smallest_one_masked():
+    """AReaL masks a count of tokens in its sort's order, which of equal values arbitrary:
+    of [0.1, 0.1, 0] at 0.06 it masks one 0.1 (the other kept: mean 0.05). Here both go,
+    whatever the order: what is kept stays below the threshold on any split of the batch."""
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    rollout = torch.tensor([[0.1**0.5, -(0.1**0.5), 0.0]], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.float64)
+    cutoff = algos.m2po_cutoff(((rollout - old) ** 2).flatten(), 0.06)
+    assert algos.m2po_keep(old, rollout, mask, cutoff).tolist() == [[0.0, 0.0, 1.0]]
+    assert areal_m2po_kept([0.1, 0.1, 0.0], 0.06).count(False) == 1
+
+
 # --- losses over a mini-batch split into parts (micro-batches, trainer ranks) ---------------
 
 

@@ -98,6 +98,19 @@ ALGOS = {
             "entropy_coeff": 0.01,
         },
     },
+    # the corrections for stale samples: M2PO takes the tokens of the largest squared
+    # old / rollout log-ratios out of the loss and the normalisers (a selection over the
+    # whole batch, both ranks' tokens), the masked importance weights (IcePop's form) zero
+    # those outside [0.1, 0.15] and keep them in the normalisers; each masks part of this
+    # batch (test_the_corrections_mask_part_of_the_batch)
+    "grpo_m2po_masked_is": {
+        "algorithm": {
+            "m2po_threshold": 4.0,
+            "rollout_is_mode": "mask",
+            "rollout_is_threshold": 0.15,
+            "rollout_is_threshold_lower": 0.1,
+        },
+    },
     # LoRA adapters on the frozen base, the KL reference being the base with them off
     "lora_kl": {"actor": {"lora_rank": 4, "lora_alpha": 8.0, "use_kl_loss": True}},
     "reinforce_pp_token_rs": {
@@ -119,6 +132,8 @@ COMBOS = [(mode, algo) for mode in MODES for algo in ("grpo", "gae_kl_entropy")]
     ("seq-mean-token-sum", "reinforce_pp_token_rs"),
     ("token-mean", "lora_kl"),
     ("seq-mean-token-sum-norm", "lora_kl"),
+    ("token-mean", "grpo_m2po_masked_is"),
+    ("seq-mean-token-mean", "grpo_m2po_masked_is"),
 ]
 # multi-turn batches (observation holes): every mode, and each per-token estimator
 HOLES = [(mode, "grpo") for mode in MODES] + [
@@ -148,13 +163,15 @@ def _gradient_worker(rank: int, world: int, port: int, model_dir: str, out: str)
             stats = accumulate_gradients(policy, merged, plans[0])
             grads = full_gradients(policy)
             loss = policy.all_reduce(stats["actor/pg_loss"].reshape(1).cpu())
-            if "rs_keep" in merged:
-                counts = algos.rejection_counts(merged["rs_keep"], mine["response_mask"])
-                kept = policy.all_reduce(counts)
+            counted = {}
+            for key in ("rs_keep", "m2po_keep", "is_weights"):
+                if key in merged:  # the tokens each masks (the weights: those at 0)
+                    keep = (merged[key] > 0).double() if key == "is_weights" else merged[key]
+                    counts = algos.rejection_counts(keep, mine["response_mask"])
+                    counted[key.split("_")[0] + "_counts"] = policy.all_reduce(counts)
             if rank == 0:
                 grads["pg_loss"] = loss.numpy()
-                if "rs_keep" in merged:
-                    grads["rs_counts"] = kept.numpy()
+                grads.update({k: v.numpy() for k, v in counted.items()})
                 np.savez(Path(out) / f"{split}-{mode}-{algo}{kind}.npz", **grads)
     end_spawned_rank()
 
@@ -237,6 +254,13 @@ def test_rejection_sampling_masks_part_of_the_batch(split_gradients, algo):
         "rs_counts"
     ]
     assert 0.2 < tokens / total < 0.8 and 0 < seqs < responses
+
+
+def test_the_corrections_mask_part_of_the_batch(split_gradients):
+    saved = np.load(split_gradients / "whole-token-mean-grpo_m2po_masked_is.npz")
+    for key in ("m2po_counts", "is_counts"):
+        tokens, total, seqs, responses = saved[key]
+        assert 0.2 < tokens / total < 0.8 and 0 < seqs <= responses, (key, saved[key])
 
 
 def one_rank_policy(model_dir: Path, **sections: dict) -> Policy:
