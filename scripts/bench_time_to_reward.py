@@ -10,7 +10,8 @@ idle ratios (the last step's) and the mean staleness. Per mode it prints the med
 the seeds and the ratios to sync (time to reward: sync / mode, > 1 is faster than sync),
 and how it learned over the seeds: how many reached the target, the final reward's mean,
 spread and worst seed and, with ``--greedy-val``, the greedy validation reward at the end
-on the task's held-out prompts (``next_digit.held_out_prompts``, as the learning tests).
+on the task's held-out prompts (``held_out_prompts`` of ``next_digit``, as the learning
+tests, or of ``long_tail``).
 
     python scripts/bench_time_to_reward.py                          # sync vs fully_async, seeds 1 2
     python scripts/bench_time_to_reward.py --no-sync --greedy-val --seeds 1 2 3 4 5 \
@@ -39,11 +40,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hpc_asyncppo.runlog import split_metrics  # noqa: E402
-from hpc_asyncppo.tasks.next_digit import (  # noqa: E402
-    LEARNED_REWARD,
-    held_out_prompts,
-    write_prompts,
-)
+from hpc_asyncppo.tasks import long_tail, next_digit  # noqa: E402
+from hpc_asyncppo.tasks.next_digit import LEARNED_REWARD, write_prompts  # noqa: E402
+
+HELD_OUT = {"next_digit": next_digit.held_out_prompts, "long_tail": long_tail.held_out_prompts}
 
 VAL_PROMPTS = 128
 
@@ -76,6 +76,9 @@ def measure(result: dict, window: int, target: float) -> dict:
         "trainer_idle": last["trainer/idle_ratio"],
         "rollout_idle": last["rollouter/idle_ratio"],
         "staleness": statistics.fmean(r["staleness/mean"] for r in rows),
+        # real tokens trained per second of the trainer's updates (its waits left out)
+        "trainer_tokens_per_s": sum(r["tokens/trained"] for r in rows)
+        / sum(r["time/train_s"] for r in rows),
         "final_reward": statistics.fmean(r["reward/mean"] for r in rows[-window:]),
         "greedy_val": result["vals"][-1]["val/reward/mean"] if result["vals"] else None,
     }
@@ -122,7 +125,11 @@ def main() -> None:
     results: dict[str, list[dict]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
         if args.greedy_val:
-            write_prompts(Path(tmp) / "val.jsonl", held_out_prompts(VAL_PROMPTS))
+            task = [o.partition("=")[2] for o in args.overrides if o.startswith("data.task=")]
+            held_out = HELD_OUT.get(task[-1] if task else "next_digit")
+            if held_out is None:
+                parser.error(f"--greedy-val: no held-out prompts for data.task={task[-1]}")
+            write_prompts(Path(tmp) / "val.jsonl", held_out(VAL_PROMPTS))
             args.overrides += [
                 f"data.val={Path(tmp) / 'val.jsonl'}",
                 f"trainer.test_freq={args.steps}",
@@ -148,7 +155,8 @@ def main() -> None:
                     f"{out['startup_s']:.2f} s); {out['samples_per_s']:.0f} "
                     f"samples/s, idle trainer {out['trainer_idle']:.2f} rollout "
                     f"{out['rollout_idle']:.2f}, staleness {out['staleness']:.2f}, final reward "
-                    f"{out['final_reward']:.3f}, greedy validation {fmt(out['greedy_val'], '.3f')}",
+                    f"{out['final_reward']:.3f}, greedy validation {fmt(out['greedy_val'], '.3f')}"
+                    f", trainer {out['trainer_tokens_per_s']:.0f} tokens/s",
                     flush=True,
                 )
     base_mode = "sync" if "sync" in results else next(iter(results))  # the ratios' base
@@ -174,20 +182,24 @@ def main() -> None:
     # are generation plus update, fully_async's at best the longer of the two (the trainer
     # is the bottleneck when its idle ratio is low), so its per-step ratio is above
     # update / (generation + update); stale samples show in the steps ratio.
-    print(f"mode            steps to reward  s per step  steps / {base_mode}'s  s per step / ditto")
+    print(f"mode            steps to reward  s per step  steps / {base_mode}'s  s per step / ditto"
+          "  trainer tokens/s  / ditto")  # fmt: skip
     per_step = {
         name: [r["from_sync_s"] / r["step"] if r["step"] else None for r in rs]
         for name, rs in results.items()
     }
     base_steps = median([r["step"] for r in results[base_mode]])
     base_per_step = median(per_step[base_mode])
+    base_tokens = median([r["trainer_tokens_per_s"] for r in results[base_mode]])
     for name, rs in results.items():
         steps, seconds = median([r["step"] for r in rs]), median(per_step[name])
         steps_ratio = steps / base_steps if steps and base_steps else None
         step_ratio = seconds / base_per_step if seconds and base_per_step else None
+        tokens = median([r["trainer_tokens_per_s"] for r in rs])
         print(
             f"{name:14s} {fmt(steps, '16.1f')}  {fmt(seconds, '10.4f')}  "
             f"{fmt(steps_ratio, '13.2f')}x  {fmt(step_ratio, '18.2f')}x"
+            f"  {tokens:16.0f}  {tokens / base_tokens:6.2f}x"
         )
 
     print(f"learning over {len(args.seeds)} seeds: reached {args.target} (rolling {args.window}), "

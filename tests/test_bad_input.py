@@ -36,6 +36,7 @@ launch.json (every file under the test's tmp dir is compared before and after).
 | model_path_is_a_file          | model.path=<a file>                                 | 2 | model.path, is a file |
 | model_path_no_tokenizer       | model.path=<folder with only config.json>           | 2 | model.path, tokenizer |
 | task_not_importable           | data.task=no_such_pkg.mod:make                      | 2 | data.task, cannot be imported |
+| response_too_short_for_task   | data.task=long_tail, rollout.response_length 6      | 2 | rollout.response_length=6, long_tail, =49 |
 | agent_not_importable          | data.agent=no_such_pkg.mod:run                      | 2 | data.agent, cannot be imported |
 | agent_with_own_tools          | data.agent + rollout.multi_turn on                  | 2 | data.agent, multi_turn.enable=false |
 | tool_config_not_tools         | multi_turn on, tool_config_path=<a YAML list>       | 2 | tools.yaml, 'tools' |
@@ -287,6 +288,11 @@ CASES: dict[str, Case] = {
         lambda ws: _run(ws, "data.task=no_such_pkg.mod:make"),
         2,
         ("data.task", "cannot be imported"),
+    ),
+    "response_too_short_for_task": Case(
+        lambda ws: _run(ws, "data.task=long_tail"),
+        2,
+        ("rollout.response_length=6", "data.task='long_tail'", "rollout.response_length=49"),
     ),
     "agent_not_importable": Case(
         lambda ws: _run(ws, "data.task=tool_lookup", "data.agent=no_such_pkg.mod:run"),

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 
 from hpc_asyncppo.config import ConfigError, DataConfig
-from hpc_asyncppo.tasks import Prompt, load_task
+from hpc_asyncppo.tasks import Prompt, load_task, long_tail
 from hpc_asyncppo.tasks.jsonl import DatasetError
 from hpc_asyncppo.tasks.next_digit import NextDigitTask
 
@@ -31,6 +31,45 @@ def test_next_digit_prompts_are_deterministic_and_answer_the_last_digit():
 def test_next_digit_reward(response, reward):
     task = NextDigitTask(DataConfig(num_prompts=1))
     assert task.reward(Prompt(0, "3 4 =", "5"), response) == reward
+
+
+def test_long_tail_asks_a_quarter_of_its_prompts_for_answers_twelve_times_longer():
+    task = load_task(DataConfig(task="long_tail", num_prompts=2000))
+    prompts = task.prompts()
+    long = [p for p in prompts if long_tail.need(p) == long_tail.LONG]
+    assert 0.2 < len(long) / len(prompts) < 0.3
+    for p in prompts:
+        words = p.text.split()
+        last_digit = words[-3] if long_tail.MARKER in words else words[-2]
+        assert words[-1] == "=" and p.ground_truth == str((int(last_digit) + 1) % 10)
+    assert long_tail.LONG >= 10 * long_tail.SHORT
+    assert task.min_response_length == long_tail.LONG + 1
+
+
+@pytest.mark.parametrize(
+    ("text", "response", "reward"),
+    [
+        ("3 4 =", "5 5 5 5", 1.0),
+        ("3 4 =", "5 5", 0.5),
+        ("3 4 =", "5 5 5 5 5 5 5 5", 0.5),  # ran on: 4 right of 8 written
+        ("3 4 =", "5 5 5 5 " + "5 " * 44, 4 / 48),  # the long answer to a short prompt
+        ("3 4 long =", "5 5 5 5", 4 / 48),  # stopped early
+        ("3 4 long =", "5 " * 48, 1.0),
+        ("3 4 long =", "5 " * 24 + "1 " * 24, 0.5),
+        ("3 4 long =", "", 0.0),
+    ],
+)
+def test_long_tail_reward_needs_the_right_length(text, response, reward):
+    task = load_task(DataConfig(task="long_tail", num_prompts=1))
+    assert task.reward(Prompt(0, text, "5"), response) == pytest.approx(reward)
+
+
+def test_long_tail_held_out_prompts_are_half_long_and_unseen():
+    held = long_tail.held_out_prompts(64)
+    train = {p.text for p in long_tail.generate_prompts(DataConfig().num_prompts)}
+    assert not train & {p.text for p in held}
+    assert [p.data_source for p in held].count("long") == 32
+    assert all((p.data_source == "long") == ("long" in p.text.split()) for p in held)
 
 
 def reward_exact(prompt: Prompt, response_text: str) -> float:

@@ -54,6 +54,13 @@ def prepare_run_dir(
             f"{run_dir} already holds a run ({CONFIG} exists); choose another --run-dir"
         )
     task = load_task(cfg.data)  # fails early on a bad dataset or task, before anything is written
+    needed = getattr(task, "min_response_length", 0)
+    if cfg.rollout.response_length < needed:
+        raise ConfigError(
+            f"rollout.response_length={cfg.rollout.response_length} is too short for "
+            f"data.task={cfg.data.task!r}, whose answers need {needed} tokens; "
+            f"set rollout.response_length={needed} or more"
+        )
     if cfg.data.val:
         from hpc_asyncppo.tasks import load_val_task
 

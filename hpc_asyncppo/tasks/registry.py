@@ -32,6 +32,7 @@ class _WithReward:
 
 def load_task(data: DataConfig) -> Task:
     from hpc_asyncppo.tasks.jsonl import JsonlTask
+    from hpc_asyncppo.tasks.long_tail import LongTailTask
     from hpc_asyncppo.tasks.next_digit import NextDigitTask
     from hpc_asyncppo.tasks.tool_lookup import ToolLookupTask
     from hpc_asyncppo.tasks.verl_dataset import VerlDatasetTask
@@ -41,6 +42,7 @@ def load_task(data: DataConfig) -> Task:
         "jsonl": JsonlTask,
         "verl": VerlDatasetTask,
         "tool_lookup": ToolLookupTask,
+        "long_tail": LongTailTask,
     }
     if data.task in registry:
         task = registry[data.task](data)

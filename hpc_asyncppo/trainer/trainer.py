@@ -195,7 +195,14 @@ class TrainerLeader:
         if stats is None:
             return None
         self.progress.step += 1
+        tokens = (
+            data["prompt_mask"].sum() + data.get("response_attention", data["response_mask"]).sum()
+        )
         leader = {
+            # the update's wall time (collate to optimizer step, every rank) and the real
+            # tokens it trained on (prompts and responses, padding not counted)
+            "time/train_s": time.time() - train_start,
+            "tokens/trained": int(tokens),
             "queue/groups": len(self.intake),
             "queue/spilled_groups": self.intake.queue.spilled_count,
             "sync/time_s": self.sender.last_sync_s,
