@@ -45,10 +45,19 @@ class PolicyModule(nn.Module):
         chunk_tokens: int,
         with_entropy: bool = False,
         with_values: bool = False,
+        packed: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Sampled-token log-probs (B, L) of log_softmax(logits / temperature), entropy
         (B, L) or None, values (B, L) or None, for a batch of left-padded prompts followed
-        by right-padded responses."""
+        by right-padded responses.
+
+        ``packed``: the rows' real tokens only, concatenated into one sequence whose
+        positions restart at each row and with no attention mask, which transformers turns
+        into attention that never crosses rows (``packed_rows``); positions past a
+        response's end are 0 in every output. Otherwise the padded (B, P + L) batch runs
+        whole, padding included."""
+        if packed and batch["response_ids"].shape[0]:
+            return self._packed_forward(batch, temperature, chunk_tokens, with_entropy, with_values)
         prompt_width = batch["prompt_ids"].shape[1]
         input_ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
         # every response token is context, observations included (response_mask: trained)
@@ -76,6 +85,87 @@ class PolicyModule(nn.Module):
         if with_values and self.value_head is not None:
             values = self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)
         return log_probs, entropy, values
+
+    def _packed_forward(
+        self,
+        batch: dict[str, torch.Tensor],
+        temperature: float,
+        chunk_tokens: int,
+        with_entropy: bool,
+        with_values: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        one_sequence = self.lm.config._attn_implementation == "flash_attention_2"
+        input_ids, position_ids, before, real = packed_rows(batch, one_sequence)
+        base = getattr(self.lm, self.lm.base_model_prefix)
+        # No attention mask and no cache: transformers finds the rows from the restarts of
+        # position_ids and masks across them. With a cache it would not look, and rows
+        # would silently attend to the rows before them.
+        hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        # (M, H): the states that predict the real response tokens
+        hidden = hidden.last_hidden_state.reshape(-1, hidden.last_hidden_state.shape[-1])[before]
+        log_probs, entropy = token_log_probs(
+            self.lm.get_output_embeddings(),
+            hidden[None],
+            batch["response_ids"][real][None],
+            temperature,
+            chunk_tokens,
+            with_entropy,
+        )
+        values = None
+        if with_values and self.value_head is not None:
+            values = self.value_head(hidden).squeeze(-1).to(torch.float32)
+        rows, cols = real.nonzero(as_tuple=True)
+
+        def unpacked(flat: torch.Tensor | None) -> torch.Tensor | None:
+            if flat is None:
+                return None
+            return flat.new_zeros(real.shape).index_put((rows, cols), flat.reshape(-1))
+
+        return unpacked(log_probs), unpacked(entropy), unpacked(values)
+
+
+def packed_rows(
+    batch: dict[str, torch.Tensor], one_sequence: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch's rows without padding, packed into K bins of C tokens: (input_ids (K, C),
+    position_ids (K, C) restarting at 0 on each row, ``before`` (M,) the flat position in
+    (K * C) of the token before each real response token (whose state predicts it),
+    ``real`` (B, L) the real response tokens, M of them).
+
+    C is the longest row (prompt + response tokens), and rows go to bins first-fit by
+    decreasing length, so attention over a bin (quadratic in C where the attention builds
+    a dense mask: sdpa, eager) costs no more than the padded batch's row. A bin's unused
+    tail is one more sequence of filler (positions from 0), attended by nothing real.
+    ``one_sequence``: a single bin of every row, flash-attention's varlen form (it takes
+    packed rows in a batch of one only)."""
+    response = batch.get("response_attention", batch["response_mask"]).bool()
+    kept = torch.cat([batch["prompt_mask"].bool(), response], dim=1)
+    tokens = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
+    positions = kept.long().cumsum(dim=1) - 1
+    lengths = kept.sum(dim=1).tolist()
+    capacity = sum(lengths) if one_sequence else max(lengths)
+    used: list[int] = []  # tokens in each bin
+    start = [0] * len(lengths)  # flat position of each row's first token
+    for row in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
+        k = next((k for k, n in enumerate(used) if n + lengths[row] <= capacity), len(used))
+        if k == len(used):
+            used.append(0)
+        start[row] = k * capacity + used[k]
+        used[k] += lengths[row]
+    dest = torch.as_tensor(start, device=tokens.device)[:, None] + positions
+    slot = torch.arange(capacity, device=tokens.device)
+    # filler: each bin's tail counts from 0 again, a sequence of its own
+    position_ids = (slot[None] - torch.as_tensor(used, device=tokens.device)[:, None]).clamp(min=0)
+    position_ids = position_ids.reshape(-1)
+    input_ids = torch.zeros_like(position_ids)
+    input_ids[dest[kept]] = tokens[kept]
+    position_ids[dest[kept]] = positions[kept]
+    prompt_width = batch["prompt_ids"].shape[1]
+    # a row's prompt ends right before its response: the state before response token j is
+    # the packed token just before it in the same row
+    before = (dest[:, prompt_width:] - 1)[response]
+    shape = (len(used), capacity)
+    return input_ids.reshape(shape), position_ids.reshape(shape), before, response
 
 
 def token_log_probs(

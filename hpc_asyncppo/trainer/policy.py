@@ -120,6 +120,7 @@ class Policy:
                 self.cfg.actor.log_prob_chunk_tokens,
                 with_entropy=with_entropy,
                 with_values=with_values,
+                packed=self.cfg.model.use_remove_padding,
             )
 
     @property

@@ -65,15 +65,18 @@ def full_gradients(policy: Policy) -> dict[str, np.ndarray]:
     }
 
 
-# Splits of one 16-row mini-batch: (trainer ranks, actor settings). Each must give the
-# gradients of the whole batch on one rank in one micro-batch.
+# Splits of one 16-row mini-batch: (trainer ranks, actor settings, packed rows:
+# model.use_remove_padding). Each must give the gradients (and loss) of the whole batch,
+# padded, on one rank in one micro-batch: packing included, whose rows run as one sequence.
 SPLITS = {
-    "whole": (1, {}),
-    "micro2": (1, {"ppo_micro_batch_size_per_gpu": 2}),
-    "dynamic": (1, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 24}),
-    "2ranks_micro4": (2, {"ppo_micro_batch_size_per_gpu": 4}),
-    "2ranks_micro3": (2, {"ppo_micro_batch_size_per_gpu": 3}),
-    "2ranks_dynamic": (2, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 20}),
+    "whole": (1, {}, False),
+    "micro2": (1, {"ppo_micro_batch_size_per_gpu": 2}, False),
+    "dynamic": (1, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 24}, False),
+    "2ranks_micro4": (2, {"ppo_micro_batch_size_per_gpu": 4}, False),
+    "2ranks_micro3": (2, {"ppo_micro_batch_size_per_gpu": 3}, False),
+    "2ranks_dynamic": (2, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 20}, False),
+    "packed": (1, {}, True),
+    "2ranks_dynamic_packed": (2, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 20}, True),
 }
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ALGOS = {
@@ -149,13 +152,14 @@ def _gradient_worker(rank: int, world: int, port: int, model_dir: str, out: str)
     torch.set_num_threads(1)
     batches = {"": make_batch(), "-holes": make_batch(holes=True)}
     cases = [(m, a, "") for m, a in COMBOS] + [(m, a, "-holes") for m, a in HOLES]
-    for split, (ranks, actor) in SPLITS.items():
+    for split, (ranks, actor, packed) in SPLITS.items():
         if ranks != world:
             continue
         for mode, algo, kind in cases:
             batch = batches[kind]
             sections = {k: dict(v) for k, v in ALGOS[algo].items()}
             sections["actor"] = {**sections.get("actor", {}), **actor, "loss_agg_mode": mode}
+            sections["model"] = {"use_remove_padding": packed}
             policy = Policy(make_cfg(Path(model_dir), **sections), CPU)
             mine = to_tensors(shard_rows(batch, world, 1)[rank], CPU)
             plans = mini_batch_plans(policy, mine)
