@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import resource
+import time
 from collections.abc import Iterator
 from contextlib import nullcontext
 
@@ -100,6 +101,7 @@ class Policy:
             cfg.trainer.total_steps * cfg.actor.ppo_epochs * cfg.async_training.require_batches
         )
         self.schedule = LRSchedule(self.optimizer, cfg.actor, total_updates)
+        self.phase_seconds: dict[str, float] = {}  # the last update's, ``PhaseClock``'s
 
     # --- running the model ----------------------------------------------------------------
     def forward(
@@ -383,10 +385,12 @@ def ppo_update(policy: Policy, batch: dict[str, torch.Tensor]) -> dict[str, floa
     rows. Once an optimizer step is taken (several mini-batches or epochs) the step
     finishes: the budget is the rest of the step."""
     actor = policy.cfg.actor
+    clock = PhaseClock(policy.device)
     plans = mini_batch_plans(policy, batch)
     try:
         merged = {**batch, **reference_quantities(policy, batch, plans, abandon=True)}
-        stats = accumulate_gradients(policy, merged, plans[0], abandon=True)
+        clock.lap("log_probs")
+        stats = accumulate_gradients(policy, merged, plans[0], abandon=True, clock=clock)
     except StepAbandoned:
         policy.optimizer.zero_grad(set_to_none=True)
         return None
@@ -395,7 +399,7 @@ def ppo_update(policy: Policy, batch: dict[str, torch.Tensor]) -> dict[str, floa
     for epoch in range(actor.ppo_epochs):
         for i, plan in enumerate(plans):
             if epoch or i:  # the first mini-batch's gradients are in already
-                stats = accumulate_gradients(policy, merged, plan)
+                stats = accumulate_gradients(policy, merged, plan, clock=clock)
             _combine(totals, stats)
             if actor.grad_clip > 0:
                 norm = torch.nn.utils.clip_grad_norm_(
@@ -405,6 +409,7 @@ def ppo_update(policy: Policy, batch: dict[str, torch.Tensor]) -> dict[str, floa
             policy.schedule.before_step()
             policy.optimizer.step()
             policy.schedule.after_step()
+            clock.lap("optimizer")
             updates += 1
     keys = sorted(k for k in totals if k not in MAX_STATS)
     summed = policy.all_reduce(torch.stack([totals[k] for k in keys]).cpu()) if keys else []
@@ -425,7 +430,31 @@ def ppo_update(policy: Policy, batch: dict[str, torch.Tensor]) -> dict[str, floa
         tokens, total, seqs, responses = policy.all_reduce(counts.cpu()).tolist()
         stats["m2po/masked_fraction"] = tokens / max(total, 1.0)
         stats["m2po/seq_masked_fraction"] = seqs / max(responses, 1.0)
+    policy.phase_seconds = clock.seconds()
     return stats
+
+
+class PhaseClock:
+    """This rank's wall seconds in each phase of one update, kept in ``Policy.phase_seconds``
+    after it (the leader logs its own as ``time/<phase>_s``): ``log_probs`` (the pass
+    before the update: old and reference log-probs, values), ``forward`` and ``backward``
+    (every micro-batch's, FSDP's collectives included), ``optimizer`` (clipping and the
+    step). On a GPU each lap waits for the device first, so the phases are the device's
+    time: a host sync per micro-batch and phase."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.laps = device, {}
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.laps[phase] = self.laps.get(phase, 0.0) + now - self.last
+        self.last = now
+
+    def seconds(self) -> dict[str, float]:
+        return {f"time/{phase}_s": s for phase, s in self.laps.items()}
 
 
 def mini_batch_plans(policy: Policy, batch: dict[str, torch.Tensor]) -> list[list[np.ndarray]]:
@@ -539,11 +568,16 @@ def gathered(policy: Policy, values: torch.Tensor) -> torch.Tensor:
 
 
 def accumulate_gradients(
-    policy: Policy, batch: dict[str, torch.Tensor], plan: list[np.ndarray], abandon: bool = False
+    policy: Policy,
+    batch: dict[str, torch.Tensor],
+    plan: list[np.ndarray],
+    abandon: bool = False,
+    clock: PhaseClock | None = None,
 ) -> dict[str, torch.Tensor]:
     """Zero the gradients, then backward every micro-batch of one mini-batch (``batch``: rows
     with their reference quantities). Returns this rank's shares of the statistics.
-    ``abandon``: raise ``StepAbandoned`` before a micro-batch once a stop is agreed on."""
+    ``abandon``: raise ``StepAbandoned`` before a micro-batch once a stop is agreed on.
+    ``clock``: takes the forward and backward laps."""
     policy.optimizer.zero_grad(set_to_none=True)
     rows = np.concatenate(plan) if plan else np.zeros(0, dtype=np.int64)
     index = torch.as_tensor(rows, dtype=torch.long, device=batch["response_mask"].device)
@@ -558,7 +592,11 @@ def accumulate_gradients(
         if empty:  # joins the collectives, contributes nothing
             mb["response_mask"] = torch.zeros_like(mb["response_mask"])
         loss, stats = micro_batch_loss(policy, mb, normalisers)
+        if clock:
+            clock.lap("forward")
         loss.backward()
+        if clock:
+            clock.lap("backward")
         _combine(totals, stats)
     return totals
 

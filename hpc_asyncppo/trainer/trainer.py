@@ -203,6 +203,7 @@ class TrainerLeader:
             # tokens it trained on (prompts and responses, padding not counted)
             "time/train_s": time.time() - train_start,
             "tokens/trained": int(tokens),
+            **self.policy.phase_seconds,  # the update's phases on the leader (policy.PhaseClock)
             "queue/groups": len(self.intake),
             "queue/spilled_groups": self.intake.queue.spilled_count,
             "sync/time_s": self.sender.last_sync_s,

@@ -66,16 +66,15 @@ def full_gradients(policy: Policy) -> dict[str, np.ndarray]:
 
 
 # Splits of one 16-row mini-batch: (trainer ranks, actor settings, packed rows:
-# model.use_remove_padding). Each must give the gradients (and loss) of the whole batch,
-# padded, on one rank in one micro-batch: packing included, whose rows run as one sequence.
+# model.use_remove_padding, the default). Each must give the gradients (and loss) of the
+# whole batch, padded, on one rank in one micro-batch: the token-budget splits pack their
+# rows (one and two ranks), the others pad them.
 SPLITS = {
     "whole": (1, {}, False),
     "micro2": (1, {"ppo_micro_batch_size_per_gpu": 2}, False),
-    "dynamic": (1, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 24}, False),
+    "dynamic_packed": (1, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 24}, True),
     "2ranks_micro4": (2, {"ppo_micro_batch_size_per_gpu": 4}, False),
     "2ranks_micro3": (2, {"ppo_micro_batch_size_per_gpu": 3}, False),
-    "2ranks_dynamic": (2, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 20}, False),
-    "packed": (1, {}, True),
     "2ranks_dynamic_packed": (2, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 20}, True),
 }
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")

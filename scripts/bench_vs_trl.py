@@ -1,0 +1,261 @@
+"""Time to reward against TRL's GRPOTrainer: the same tiny model, prompts, reward, samples
+per step, hyperparameters and cores, several seeds, runs alternated; ratios printed.
+
+    python scripts/bench_vs_trl.py --seeds 1 2 3                                # next_digit
+    python scripts/bench_vs_trl.py --seeds 1 2 3 --steps 800 --response-length 56 \\
+        --mode "sync=async_training.mode=sync" -- data.task=long_tail           # a long tail
+
+TRL is pinned (``TRL``) and installed by this script into its own environment,
+``build/trl-reference`` (a venv over this interpreter's packages: the same torch and
+transformers), never into this project's; each TRL run is a subprocess of that venv's
+Python running this file with ``--trl-worker``.
+
+Both sides start from the same weights: the tiny model our runs build for ``trainer.seed``
+(``models/tiny.py``), written once per seed and given to both as ``model.path``. A step is
+16 prompts x 8 responses (our ``actor.ppo_mini_batch_size`` x ``rollout.n``; TRL's
+``per_device_train_batch_size`` 128, ``num_generations`` 8), one optimizer step on it:
+AdamW at our ``actor.lr``, constant, gradients clipped at 1.0, clip 0.2 / 0.28 (TRL's
+``epsilon`` / ``epsilon_high``), token-mean loss (TRL's ``dapo``), group-normalised
+advantages, no KL, temperature 1, fp32. Ours runs 1 rollout + 1 trainer rank of one
+thread each; TRL one process of 2 torch threads: both use the 2 cores.
+
+Measured per run: the first step whose rolling mean reward (``--window`` steps) reaches
+``--target``, and its time from the launch and from the first step (TRL: the start of
+training; ours: the first weight sync). Our modes take config overrides, as in
+``bench_time_to_reward.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+TRL = "1.16.0"
+VENV = REPO / "build" / "trl-reference"
+SAMPLES = {"prompts": 16, "n": 8}  # per step, both sides
+
+
+def trl_python() -> Path:
+    """The venv's Python, with TRL installed on first use."""
+    python = VENV / "bin" / "python"
+    marker = VENV / f"trl-{TRL}"
+    if not marker.exists():
+        subprocess.run(
+            [sys.executable, "-m", "venv", "--system-site-packages", str(VENV)], check=True
+        )
+        subprocess.run([str(python), "-m", "pip", "install", "-q", f"trl=={TRL}"], check=True)
+        marker.touch()
+    return python
+
+
+def task_of(overrides: list[str]):
+    from hpc_asyncppo.config import DataConfig
+    from hpc_asyncppo.tasks import load_task
+
+    task = [o.partition("=")[2] for o in overrides if o.startswith("data.task=")]
+    return load_task(DataConfig(task=task[-1] if task else "next_digit"))
+
+
+def build_model(out: Path, overrides: list[str], seed: int) -> Path:
+    from hpc_asyncppo.config import TinyModelConfig
+    from hpc_asyncppo.models.tiny import tiny_model
+
+    return tiny_model(out, task_of(overrides).vocabulary(), TinyModelConfig(), seed)
+
+
+def run_ours(model: Path, overrides: list[str], steps: int, seed: int, run_dir: Path) -> dict:
+    from hpc_asyncppo.runlog import split_metrics
+
+    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local",
+           "--run-dir", str(run_dir), f"model.path={model}", f"trainer.total_steps={steps}",
+           f"trainer.seed={seed}", "checkpoint.save_every=0", *overrides]  # fmt: skip
+    launched = time.time()
+    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    rows, _ = split_metrics(
+        [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    )
+    start = rows[0]["time/unix"] - rows[0]["time/elapsed_s"]
+    return {
+        "launched": launched,
+        "start": start,
+        "steps": [(r["step"], r["reward/mean"], r["time/unix"]) for r in rows],
+    }
+
+
+def run_trl(model: Path, overrides: list[str], steps: int, seed: int, out: Path) -> dict:
+    launched = time.time()
+    cmd = [str(trl_python()), str(Path(__file__).resolve()), "--trl-worker", str(out),
+           "--model", str(model), "--steps", str(steps), "--seeds", str(seed), "--", *overrides]  # fmt: skip
+    with (out / "trl.log").open("w") as log:  # TRL's and transformers' warnings
+        done = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
+    if done.returncode:
+        sys.exit(f"TRL run failed ({done.returncode}):\n{(out / 'trl.log').read_text()[-3000:]}")
+    record = json.loads((out / "trl.json").read_text())
+    return {"launched": launched, **record}
+
+
+def trl_worker(out: Path, model: Path, overrides: list[str], steps: int, seed: int) -> None:
+    """One TRL run (inside the TRL venv): writes out/trl.json with each step's reward."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hpc_asyncppo.config import Config
+    from hpc_asyncppo.tasks import Prompt
+
+    torch.set_num_threads(2)
+    cfg = Config()
+    length = next(
+        (int(o.partition("=")[2]) for o in overrides if o.startswith("rollout.response_length=")),
+        cfg.rollout.response_length,
+    )
+    task = task_of(overrides)
+    prompts = list(task.prompts())
+    truths = {p.text: p.ground_truth for p in prompts}
+    dataset = Dataset.from_dict({"prompt": [p.text for p in prompts]})
+
+    def reward(prompts: list[str], completions: list[str], **_: object) -> list[float]:
+        return [
+            task.reward(Prompt(0, p, truths[p]), c)
+            for p, c in zip(prompts, completions, strict=True)
+        ]
+
+    record: dict = {"start": None, "steps": []}
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            record["start"] = time.time()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                record["steps"].append((state.global_step, logs["reward"], time.time()))
+
+    args = GRPOConfig(
+        output_dir=str(out / "trl"), seed=seed, max_steps=steps, use_cpu=True, bf16=False,
+        learning_rate=cfg.actor.lr, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=cfg.actor.weight_decay, max_grad_norm=cfg.actor.grad_clip,
+        per_device_train_batch_size=SAMPLES["prompts"] * SAMPLES["n"],
+        gradient_accumulation_steps=1, num_generations=SAMPLES["n"], steps_per_generation=1,
+        num_iterations=1, max_completion_length=length, temperature=cfg.rollout.temperature,
+        top_p=1.0, top_k=0, beta=0.0, epsilon=cfg.actor.clip_ratio_low,
+        epsilon_high=cfg.actor.clip_ratio_high, loss_type="dapo", scale_rewards="group",
+        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+        dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        model=str(model),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(model),
+        callbacks=[Clock()],
+    )
+    trainer.train()
+    (out / "trl.json").write_text(json.dumps(record))
+
+
+def measure(result: dict, window: int, target: float) -> dict:
+    steps = result["steps"]
+    rewards = [r for _, r, _ in steps]
+    reached = next(
+        (
+            steps[i]
+            for i in range(window - 1, len(steps))
+            if statistics.fmean(rewards[i - window + 1 : i + 1]) >= target
+        ),
+        None,
+    )
+    return {
+        "step": reached[0] if reached else None,
+        "from_launch_s": reached[2] - result["launched"] if reached else None,
+        "from_start_s": reached[2] - result["start"] if reached else None,
+        "startup_s": result["start"] - result["launched"],
+        "s_per_step": (steps[-1][2] - result["start"]) / steps[-1][0],
+        "final_reward": statistics.fmean(rewards[-window:]),
+    }
+
+
+def median(values: list) -> float | None:
+    return statistics.median(values) if values and None not in values else None
+
+
+def fmt(v: float | None, spec: str = "8.1f") -> str:
+    return format(v, spec) if v is not None else "   never"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--window", type=int, default=10)
+    parser.add_argument("--target", type=float, default=0.8)
+    parser.add_argument("--response-length", type=int, default=None)
+    parser.add_argument("--mode", action="append", default=[],
+                        help='another of ours: "NAME=key=value ..." (fully_async plus these)')  # fmt: skip
+    parser.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="key=value for our runs (and the task)")
+    args = parser.parse_args()
+    overrides = list(args.overrides)
+    if args.response_length:
+        overrides.append(f"rollout.response_length={args.response_length}")
+    if args.trl_worker:
+        trl_worker(args.trl_worker, args.model, overrides, args.steps, args.seeds[0])
+        return
+    trl_python()  # installed before any timing
+    modes: dict[str, list[str] | None] = {"fully_async": [], "trl": None}
+    for spec in args.mode:
+        name, _, rest = spec.partition("=")
+        modes[name] = rest.split()
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
+        for i, seed in enumerate(args.seeds):
+            model = build_model(Path(tmp) / f"model-{seed}", overrides, seed)
+            for name in list(modes) if i % 2 == 0 else list(modes)[::-1]:
+                where = Path(tmp) / f"{name}-{seed}"
+                if modes[name] is None:
+                    where.mkdir()
+                    raw = run_trl(model, overrides, args.steps, seed, where)
+                else:
+                    raw = run_ours(model, [*overrides, *modes[name]], args.steps, seed, where)
+                out = measure(raw, args.window, args.target)
+                results[name].append(out)
+                print(
+                    f"{name:12s} seed {seed}: reward {args.target} (rolling {args.window}) at step "
+                    f"{out['step']}, {fmt(out['from_launch_s'], '.1f')} s from launch, "
+                    f"{fmt(out['from_start_s'], '.1f')} s from the first step (start-up "
+                    f"{out['startup_s']:.1f} s); {out['s_per_step']:.3f} s per step, final reward "
+                    f"{out['final_reward']:.3f}",
+                    flush=True,
+                )
+    print(f"TRL {TRL}, {args.steps} steps, seeds {args.seeds}, {' '.join(overrides)}; medians")
+    print("mode          launch s  first-step s  start-up s  s/step  steps to target  reached"
+          "  final reward  TRL's time / mode's (launch, first step)")  # fmt: skip
+    trl = {k: median([r[k] for r in results["trl"]]) for k in ("from_launch_s", "from_start_s")}
+    for name, rs in results.items():
+        m = {k: median([r[k] for r in rs]) for k in rs[0]}
+        ratios = [trl[k] / m[k] if trl[k] and m[k] else None for k in trl]
+        reached = sum(r["step"] is not None for r in rs)
+        finals = [r["final_reward"] for r in rs]
+        spread = statistics.stdev(finals) if len(finals) > 1 else 0.0
+        print(
+            f"{name:12s} {fmt(m['from_launch_s'])} {fmt(m['from_start_s'], '13.1f')} "
+            f"{m['startup_s']:11.1f} {m['s_per_step']:7.3f} {fmt(m['step'], '16.0f')} "
+            f"{reached:>5d}/{len(rs)}  {statistics.fmean(finals):.3f} +- {spread:.3f}  "
+            f"{fmt(ratios[0], '.2f')}x {fmt(ratios[1], '.2f')}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
