@@ -10,6 +10,11 @@ Log-probs: only the final hidden states of the response positions go through the
 (activation checkpointing), so the full-vocabulary logits of one chunk (fp32) are the only
 vocabulary-sized tensor alive at any time (``token_log_probs``).
 
+Packed rows (``model.use_remove_padding``, the default): the rows' real tokens only, laid
+into bins (``packed_rows``), so a micro-batch's activations scale with its real tokens,
+not with its rows times its longest row, and its attention costs at most the padded
+batch's; the outputs equal the padded path's.
+
 Gradients are reduce-scattered in fp32 and summed over the ranks (not averaged): the
 update normalises every loss over the whole mini-batch itself (``policy.py``).
 """
