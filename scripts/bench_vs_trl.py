@@ -89,6 +89,8 @@ def run_ours(model: Path, overrides: list[str], steps: int, seed: int, run_dir: 
         "launched": launched,
         "start": start,
         "steps": [(r["step"], r["reward/mean"], r["time/unix"]) for r in rows],
+        "trainer_tokens_per_s": sum(r["tokens/trained"] for r in rows)
+        / sum(r["time/train_s"] for r in rows),
     }
 
 
@@ -183,6 +185,7 @@ def measure(result: dict, window: int, target: float) -> dict:
         "startup_s": result["start"] - result["launched"],
         "s_per_step": (steps[-1][2] - result["start"]) / steps[-1][0],
         "final_reward": statistics.fmean(rewards[-window:]),
+        "trainer_tokens_per_s": result.get("trainer_tokens_per_s"),  # ours only
     }
 
 
@@ -236,10 +239,16 @@ def main() -> None:
                     f"{out['step']}, {fmt(out['from_launch_s'], '.1f')} s from launch, "
                     f"{fmt(out['from_start_s'], '.1f')} s from the first step (start-up "
                     f"{out['startup_s']:.1f} s); {out['s_per_step']:.3f} s per step, final reward "
-                    f"{out['final_reward']:.3f}",
+                    f"{out['final_reward']:.3f}"
+                    + (
+                        f", trainer {out['trainer_tokens_per_s']:.0f} tokens/s"
+                        if out["trainer_tokens_per_s"]
+                        else ""
+                    ),
                     flush=True,
                 )
-    print(f"TRL {TRL}, {args.steps} steps, seeds {args.seeds}, {' '.join(overrides)}; medians")
+    given = " ".join(overrides) or "no overrides"
+    print(f"TRL {TRL}, {args.steps} steps, seeds {args.seeds}, {given}; medians")
     print("mode          launch s  first-step s  start-up s  s/step  steps to target  reached"
           "  final reward  TRL's time / mode's (launch, first step)")  # fmt: skip
     trl = {k: median([r[k] for r in results["trl"]]) for k in ("from_launch_s", "from_start_s")}
