@@ -56,11 +56,10 @@ class PolicyModule(nn.Module):
         (B, L) or None, values (B, L) or None, for a batch of left-padded prompts followed
         by right-padded responses.
 
-        ``packed``: the rows' real tokens only, concatenated into one sequence whose
-        positions restart at each row and with no attention mask, which transformers turns
-        into attention that never crosses rows (``packed_rows``); positions past a
-        response's end are 0 in every output. Otherwise the padded (B, P + L) batch runs
-        whole, padding included."""
+        ``packed``: the rows' real tokens only, laid into bins (``packed_rows``) whose
+        positions restart at each row, with no attention mask, which transformers turns
+        into attention that never crosses rows; positions past a response's end are 0 in
+        every output. Otherwise the padded (B, P + L) batch runs whole, padding included."""
         if packed and batch["response_ids"].shape[0]:
             return self._packed_forward(batch, temperature, chunk_tokens, with_entropy, with_values)
         prompt_width = batch["prompt_ids"].shape[1]
