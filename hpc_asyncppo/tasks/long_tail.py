@@ -25,12 +25,10 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Sequence
-from pathlib import Path
 
-from hpc_asyncppo.config import ConfigError, DataConfig
+from hpc_asyncppo.config import DataConfig
 from hpc_asyncppo.tasks.base import Prompt
-from hpc_asyncppo.tasks.jsonl import read_jsonl_prompts
-from hpc_asyncppo.tasks.next_digit import DIGITS
+from hpc_asyncppo.tasks.next_digit import DIGITS, read_or_generate
 
 SHORT, LONG = 4, 48  # repeats of the answer digit
 LONG_SHARE = 0.25  # of the prompts ask for the long answer
@@ -77,12 +75,7 @@ class LongTailTask:
     min_response_length = LONG + 1  # the long answer and the end of the response
 
     def __init__(self, data: DataConfig, seed: int = 1234):
-        if data.train:
-            if not Path(data.train).is_file():
-                raise ConfigError(f"data.train={data.train!r}: no such file")
-            self._prompts = read_jsonl_prompts(Path(data.train))
-        else:
-            self._prompts = generate_prompts(data.num_prompts, seed)
+        self._prompts = read_or_generate(data, generate_prompts, seed)
 
     def prompts(self) -> Sequence[Prompt]:
         return self._prompts

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hpc_asyncppo.config import ConfigError, DataConfig
@@ -79,14 +79,21 @@ def held_out_prompts(count: int, num_train: int | None = None) -> list[Prompt]:
     ]
 
 
+def read_or_generate(
+    data: DataConfig, generate: Callable[[int, int], list[Prompt]], seed: int
+) -> list[Prompt]:
+    """``data.train``'s prompts (JSONL) when it is set, else ``generate(data.num_prompts,
+    seed)``: how this task and its variants (``long_tail.py``) get theirs."""
+    if not data.train:
+        return generate(data.num_prompts, seed)
+    if not Path(data.train).is_file():
+        raise ConfigError(f"data.train={data.train!r}: no such file")
+    return read_jsonl_prompts(Path(data.train))
+
+
 class NextDigitTask:
     def __init__(self, data: DataConfig, seed: int = 1234):
-        if data.train:
-            if not Path(data.train).is_file():
-                raise ConfigError(f"data.train={data.train!r}: no such file")
-            self._prompts = read_jsonl_prompts(Path(data.train))
-        else:
-            self._prompts = generate_prompts(data.num_prompts, seed)
+        self._prompts = read_or_generate(data, generate_prompts, seed)
 
     def prompts(self) -> Sequence[Prompt]:
         return self._prompts
