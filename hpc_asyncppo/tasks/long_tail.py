@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 from hpc_asyncppo.config import DataConfig
 from hpc_asyncppo.tasks.base import Prompt
-from hpc_asyncppo.tasks.next_digit import DIGITS, read_or_generate
+from hpc_asyncppo.tasks.next_digit import DIGITS, draw_digits, read_or_generate
 
 SHORT, LONG = 4, 48  # repeats of the answer digit
 LONG_SHARE = 0.25  # of the prompts ask for the long answer
@@ -44,8 +44,7 @@ def generate_prompts(count: int, seed: int = 1234) -> list[Prompt]:
     rng = random.Random(seed)
     prompts = []
     for index in range(count):
-        digits = [rng.choice(DIGITS) for _ in range(rng.randint(2, 5))]
-        answer = str((int(digits[-1]) + 1) % 10)
+        digits, answer = draw_digits(rng)
         words = digits + ([MARKER] if rng.random() < LONG_SHARE else []) + ["="]
         prompts.append(Prompt(index=index, text=" ".join(words), ground_truth=answer))
     return prompts

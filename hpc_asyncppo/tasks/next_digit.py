@@ -40,12 +40,17 @@ UNTRAINED_REWARD_MAX = 0.2  # the first 10 steps' mean reward stays below (rando
 LEARNED_REWARD = 0.8
 
 
+def draw_digits(rng: random.Random) -> tuple[list[str], str]:
+    """2-5 random digits and the answer: the digit after the last one (mod 10)."""
+    digits = [rng.choice(DIGITS) for _ in range(rng.randint(2, 5))]
+    return digits, str((int(digits[-1]) + 1) % 10)
+
+
 def generate_prompts(count: int, seed: int = 1234) -> list[Prompt]:
     rng = random.Random(seed)
     prompts = []
     for index in range(count):
-        digits = [rng.choice(DIGITS) for _ in range(rng.randint(2, 5))]
-        answer = str((int(digits[-1]) + 1) % 10)
+        digits, answer = draw_digits(rng)
         # "=" ends the prompt: without it "3 9 4" + response "5" would read exactly like
         # the prompt "3 9 4 5", and no policy could tell which answer is wanted.
         prompts.append(Prompt(index=index, text=" ".join(digits) + " =", ground_truth=answer))
