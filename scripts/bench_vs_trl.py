@@ -206,6 +206,8 @@ def main() -> None:
     parser.add_argument("--response-length", type=int, default=None)
     parser.add_argument("--mode", action="append", default=[],
                         help='another of ours: "NAME=key=value ..." (fully_async plus these)')  # fmt: skip
+    parser.add_argument("--no-default", action="store_true",
+                        help="leave out fully_async without --mode's")  # fmt: skip
     parser.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="key=value for our runs (and the task)")
@@ -217,7 +219,9 @@ def main() -> None:
         trl_worker(args.trl_worker, args.model, overrides, args.steps, args.seeds[0])
         return
     trl_python()  # installed before any timing
-    modes: dict[str, list[str] | None] = {"fully_async": [], "trl": None}
+    modes: dict[str, list[str] | None] = {"trl": None}
+    if not args.no_default:
+        modes = {"fully_async": [], **modes}
     for spec in args.mode:
         name, _, rest = spec.partition("=")
         modes[name] = rest.split()

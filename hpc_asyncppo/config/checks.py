@@ -67,6 +67,7 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "rollout.top_p": (0, True),
     "rollout.top_k": (0, False),
     "rollout.prompts_per_generate": (1, False),
+    "rollout.hf_step_tokens": (0, False),
     "rollout.torch_threads": (1, False),
     "rollout.tensor_parallel_size": (1, False),
     "rollout.gpu_memory_utilization": (0, True),
@@ -341,14 +342,16 @@ def validate(cfg: Config, rollout_ranks: int = 1, train_ranks: int = 1) -> None:
     if (
         cfg.async_training.partial_rollout
         and cfg.rollout.engine != "vllm"
+        and not cfg.rollout.hf_step_tokens
         and not cfg.rollout.multi_turn.enable
         and not cfg.data.agent
     ):
-        # multi-turn, the hf engine's trajectories continue across syncs between two turns
+        # multi-turn, the hf engine's trajectories continue across syncs between two turns;
+        # with hf_step_tokens, between two steps
         raise ConfigError(
-            "async_training.partial_rollout=true needs rollout.engine=vllm, or "
-            "rollout.multi_turn.enable=true or data.agent (the hf engine generates a "
-            "single-turn response whole: there is nothing to cut)"
+            "async_training.partial_rollout=true needs rollout.engine=vllm, "
+            "rollout.hf_step_tokens > 0, rollout.multi_turn.enable=true or data.agent (the "
+            "hf engine generates a single-turn response whole: there is nothing to cut)"
         )
     if cfg.data.agent:
         check_agent(cfg)

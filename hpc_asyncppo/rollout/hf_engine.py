@@ -143,8 +143,11 @@ class HFEngine:
             results.update(self.step())
         return [results[key] for key in keys]
 
-    # The step interface of the rollout loop: one step generates every response in flight to
-    # its end (or to the stop flag), all in one batch.
+    # The step interface of the rollout loop: one step generates every response in flight, all
+    # in one batch, to its end (or to the stop flag), or ``rollout.hf_step_tokens`` tokens
+    # further: then groups finish (and new ones join) between steps, and the next step
+    # continues the others from their tokens (a prefill of their contexts, under whatever
+    # weights are loaded by then: each token records its version).
     @property
     def in_flight(self) -> int:
         return len(self.groups)
@@ -174,7 +177,7 @@ class HFEngine:
             contexts = [self.groups[key].context(r) for key, r in batch]
             ends = [min(width, r.limit or width) for _, r in batch]
             budgets = [end - len(r.tokens) for end, (_, r) in zip(ends, batch, strict=True)]
-            new_ids, new_lps = self.sample(contexts, max(budgets), temperature)
+            new_ids, new_lps = self.sample(contexts, self.step_budget(budgets), temperature)
             for (_, r), ids, lps, budget, end in zip(batch, new_ids, new_lps, budgets, ends,
                                                      strict=True):  # fmt: skip
                 take = ids[:budget]
@@ -189,6 +192,12 @@ class HFEngine:
         done = [key for key, group in self.groups.items() if group.complete]
         width, pad = self.cfg.response_length, self.pad_id
         return [(key, self.groups.pop(key).generation(width, pad)) for key in done]
+
+    def step_budget(self, budgets: list[int]) -> int:
+        """The tokens this step samples: to the longest response's end, or at most
+        ``rollout.hf_step_tokens``."""
+        chunk = self.cfg.hf_step_tokens
+        return min(max(budgets), chunk) if chunk > 0 else max(budgets)
 
     @property
     def stops(self) -> set[int]:

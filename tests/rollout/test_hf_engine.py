@@ -26,12 +26,14 @@ def test_response_length_includes_the_first_eos_only():
     assert response_lengths(responses, eos).tolist() == [2, 4, 1]
 
 
-def engine_and_policy(model_dir, temperature=1.0, response_length=6):
+def engine_and_policy(model_dir, temperature=1.0, response_length=6, **rollout):
     cfg = Config()
     cfg = dataclasses.replace(
         cfg,
         model=ModelConfig(path=str(model_dir)),
-        rollout=RolloutConfig(temperature=temperature, response_length=response_length, n=4),
+        rollout=RolloutConfig(
+            temperature=temperature, response_length=response_length, n=4, **rollout
+        ),
     )
     return cfg, HFEngine(cfg.model, cfg.rollout, CPU), Policy(cfg, CPU)
 
@@ -105,6 +107,44 @@ def test_greedy_groups_are_the_argmax_and_run_beside_sampled_ones(tiny_model_dir
     with torch.no_grad():
         logits = engine.model(torch.tensor([prompt + response])).logits[0]
     assert logits[len(prompt) - 1 : len(prompt) - 1 + length].argmax(-1).tolist() == response
+
+
+def test_steps_of_a_few_tokens_let_groups_join_and_continue_as_one_call_would(
+    tiny_model_dir, log_probs_of
+):
+    """rollout.hf_step_tokens=2: a step samples two tokens of every response in flight; a
+    group submitted between steps joins the next; the responses continued over three steps
+    are, greedy, token for token what one call to their end samples, with its log-probs.
+    New weights loaded between two steps take over at once: the tokens after the load carry
+    the new version and are the trainer's under the new weights (the continuation reads its
+    context again; nothing of the old weights' is kept)."""
+    _, whole, _ = engine_and_policy(tiny_model_dir, 0.0, ignore_eos=True)
+    policy = engine_and_policy(tiny_model_dir)[2]  # temperature 1: a greedy token's log-prob's
+    _, engine, _ = engine_and_policy(tiny_model_dir, 0.0, ignore_eos=True, hf_step_tokens=2)
+    prompts = {"a": engine.encode("1 2 3 ="), "b": engine.encode("9 =")}
+    engine.submit("a", prompts["a"], 4)
+    assert engine.step() == [] and engine.in_flight == 1
+    assert [len(r.tokens) for r in engine.groups["a"].responses] == [2] * 4
+    engine.submit("b", prompts["b"], 4)  # joins a's third step and its own first
+    assert engine.step() == [] and engine.in_flight == 2
+    assert [len(r.tokens) for g in engine.groups.values() for r in g.responses] == [4] * 4 + [2] * 4
+    done = dict(engine.step())
+    assert list(done) == ["a"] and engine.in_flight == 1
+    expected = dict(zip(prompts, whole.generate(list(prompts.values()), n=4), strict=True))
+    np.testing.assert_array_equal(done["a"].response_ids, expected["a"].response_ids)
+    np.testing.assert_allclose(done["a"].log_probs, expected["a"].log_probs, atol=1e-5)
+
+    with torch.no_grad():  # new weights between b's second and third steps
+        for p in policy.model.parameters():
+            p.to_local().mul_(1.5)
+    engine.load_weights({n: t.clone() for n, t in policy.named_weights()}, version=3)
+    while "b" not in done:
+        done.update(engine.step())
+    gen = done["b"]
+    assert (gen.versions[:, :4] == -1).all() and (gen.versions[:, 4:] == 3).all(), gen.versions
+    trainer_lp, rollout_lp, mask = log_probs_of(policy, [prompts["b"]], [gen], engine.pad_id)
+    diff = (trainer_lp - rollout_lp).abs()[:, 4:][mask[:, 4:]]
+    assert diff.max().item() < 1e-5, diff.max().item()
 
 
 def random_adapters(engine: HFEngine, modules: tuple[str, ...], seed: int) -> dict:
