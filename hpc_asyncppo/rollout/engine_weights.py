@@ -127,8 +127,15 @@ class EngineWeights:
 
     def load_pending(self, wait: bool = False, groups_in_flight: bool = False) -> None:
         """Load the sync received on the side thread, once it is complete (``wait``: now,
-        waiting for it). Without partial rollout, ``groups_in_flight`` finish first."""
-        if self.pending is None or not (wait or self.pending.done()):
+        waiting for it). Without partial rollout, ``groups_in_flight`` finish first. With
+        none in flight it waits for the sync: there is no generation to overlap it with,
+        and groups started now would be sampled whole under weights already replaced (with
+        the hf engine's whole-response steps, a batch of them: a version's weights would
+        reach the rank one batch late)."""
+        if self.pending is None:
+            return
+        wait = wait or not groups_in_flight
+        if not (wait or self.pending.done()):
             return
         if not wait and groups_in_flight and not self.partial_rollout:
             return  # draining: the groups in flight finish under the weights they started

@@ -111,6 +111,22 @@ def test_an_inflight_sync_loads_between_steps_once_received(tmp_path, partial_ro
     assert hooks[-2:] == ["before", ("loaded", 1)] and not weights.draining
 
 
+def test_an_inflight_sync_with_no_group_in_flight_is_waited_for(tmp_path):
+    """Nothing in flight to overlap the sync with: the rank waits for it, and the groups it
+    starts next are sampled under the new weights, not a whole batch under the old."""
+    engine = Engine(staged=True)
+    weights, _ = owner(tmp_path, engine, "async_training.mode=fully_async",
+                       "async_training.inflight_weight_update=true")  # fmt: skip
+    weights.sync(0)
+    weights.sync(1)
+    assert engine.calls[-1] == ("receive",) and weights.version == 0
+    arrives = threading.Timer(0.5, engine.arrive.set)  # (a late arrival only hides a bug)
+    arrives.start()
+    weights.load_pending(groups_in_flight=False)
+    assert engine.calls[-1] == ("load", 1) and weights.version == 1
+    arrives.join()
+
+
 def test_a_regroup_loads_the_sync_received_before_then_joins_the_next_generation(tmp_path):
     engine = Engine(staged=True)
     weights, _ = owner(
