@@ -137,7 +137,7 @@ class EngineWeights:
         wait = wait or not groups_in_flight
         if not (wait or self.pending.done()):
             return
-        if not wait and groups_in_flight and not self.partial_rollout:
+        if not wait and not self.partial_rollout:  # (not wait: groups are in flight)
             return  # draining: the groups in flight finish under the weights they started
         start, wall_start = time.monotonic(), time.time()
         received = self.pending.result(self.sync_timeout_s)

@@ -91,8 +91,7 @@ def test_an_inflight_sync_loads_between_steps_once_received(tmp_path, partial_ro
         tmp_path, engine, "async_training.mode=fully_async",
         "async_training.inflight_weight_update=true",
         f"async_training.partial_rollout={str(partial_rollout).lower()}",
-        # the hf engine cuts groups only between two turns
-        "rollout.multi_turn.enable=true", "rollout.multi_turn.tool_config_path=tools/lookup.yaml",
+        "rollout.hf_step_tokens=8",  # the hf engine cuts groups between two such steps
     )  # fmt: skip
     weights.sync(0)
     assert engine.calls[-1] == ("update", 0)

@@ -125,7 +125,7 @@ def test_steps_of_a_few_tokens_let_groups_join_and_continue_as_one_call_would(
     engine.submit("a", prompts["a"], 4)
     assert engine.step() == [] and engine.in_flight == 1
     assert [len(r.tokens) for r in engine.groups["a"].responses] == [2] * 4
-    engine.submit("b", prompts["b"], 4)  # joins a's third step and its own first
+    engine.submit("b", prompts["b"], 4)  # joins a's second step, as its own first
     assert engine.step() == [] and engine.in_flight == 2
     assert [len(r.tokens) for g in engine.groups.values() for r in g.responses] == [4] * 4 + [2] * 4
     done = dict(engine.step())
