@@ -3,7 +3,7 @@
 Each rank appends to ``RUN_DIR/timeline/rank{i}.jsonl``, one span per line::
 
     {"span": "generate", "start": 1718000000.123456, "end": 1718000000.173456}
-    {"span": "train", "start": ..., "end": ..., "step": 12}
+    {"span": "train", "start": ..., "end": ..., "step": 12, "phases": {"forward": 0.031, ...}}
 
 Times are wall-clock (``time.time()``) so that ranks on different hosts line up on one
 axis. Each process opens its file with a ``session`` marker (pid, role), so a resumed run's
@@ -14,8 +14,9 @@ into one, so a long wait is one line.
 
 Spans by role (``SPANS``): rollout ranks ``generate``, ``send``, ``wait`` (no credits),
 ``sync`` (weights received), ``checkpoint`` (writing its part); trainer ranks ``wait``
-(leader: for samples; followers: for their shard), ``train`` (one step: batch, PPO update, logging), ``sync`` (leader: weights
-broadcast), ``checkpoint``.
+(leader: for samples; followers: for their shard), ``train`` (one step: batch, PPO update,
+logging; ``phases``: the update's seconds in each phase, ``policy.PhaseClock``), ``sync``
+(leader: weights broadcast), ``checkpoint``.
 
 The idle ratios logged in metrics.jsonl are recomputed from these spans by
 :func:`idle_ratio` (one session) and :func:`trainer_idle_ratio` (the leader's, across

@@ -3,15 +3,16 @@ per-sample floor they imply on this machine.
 
     python scripts/profile_step.py                                   # the default job, 100 steps
     python scripts/profile_step.py --steps 200 -- data.task=long_tail rollout.response_length=56
+    python scripts/profile_step.py --train-ranks 2                   # a leader and a follower
     python scripts/profile_step.py --run-dir RUN_DIR                 # a run already done
 
 Every rank's ``timeline/`` spans (``timeline.py``), from the end of its first weight sync
 to its last span: rollout ranks generate, send (transport to the trainer), wait (no
 credits), sync (weights in), checkpoint; trainer ranks wait (for samples; followers for
-their shard), train, sync (leader: weights out), checkpoint. The leader's train spans are
-split further by ``metrics.jsonl``: ``time/log_probs_s`` (old and reference log-probs),
-``time/forward_s``, ``time/backward_s``, ``time/optimizer_s`` (``policy.PhaseClock``), and
-the rest of the span (collate, sending the followers their shards, logging) as ``other``.
+their shard), train, sync (leader: weights out), checkpoint. Each trainer rank's train
+spans are split further by the phases they carry (``policy.PhaseClock``): log_probs (old
+and reference log-probs), forward, backward, optimizer, and the rest of the span as
+``other`` (the leader: collate, sending the followers their shards, logging).
 
 The floor: seconds of busy time per sample on the rollout side (generation and sending,
 over the rollout ranks, which work in parallel) and on the trainer's (train and sync):
@@ -38,8 +39,8 @@ from hpc_asyncppo.timeline import SPANS, busy_seconds, read_timeline  # noqa: E4
 PHASES = ("log_probs", "forward", "backward", "optimizer")
 
 
-def run(steps: int, overrides: list[str], run_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local",
+def run(steps: int, ranks: list[str], overrides: list[str], run_dir: Path) -> None:
+    cmd = [sys.executable, "-m", "hpc_asyncppo.submit", "--cluster", "local", *ranks,
            "--run-dir", str(run_dir), f"trainer.total_steps={steps}",
            "checkpoint.save_every=0", *overrides]  # fmt: skip
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
@@ -51,7 +52,7 @@ def profile(run_dir: Path) -> None:
     )
     samples = rows[-1]["samples/total"]
     elapsed = rows[-1]["time/elapsed_s"]
-    rollout_busy, train, sync = [], 0.0, 0.0  # rollout ranks' busy s; the leader's train, sync
+    rollout_busy, train, sync, phases = [], 0.0, 0.0, {}  # rollout busy s; the leader's train
     print(
         f"{run_dir}: {len(rows)} steps, {samples} samples in {elapsed:.1f} s after the first sync"
     )
@@ -68,13 +69,15 @@ def profile(run_dir: Path) -> None:
         print(f"{rank:4d}  {session.role:8s} {wall:7.1f}  {cells}")
         if session.role == "rollout":
             rollout_busy.append(seconds["generate"] + seconds["send"])
-        elif rank == leader:
-            train, sync = seconds["train"], seconds["sync"]
-    phases = {p: sum(r.get(f"time/{p}_s", 0.0) for r in rows) for p in PHASES}
-    phases["other"] = train - sum(phases.values())
-    print("the leader's training steps: " + ", ".join(
-        f"{p} {s / train:.0%}" for p, s in phases.items()
-    ) + f" of {train:.1f} s")  # fmt: skip
+            continue
+        spans = [s for s in session.of("train") if s["start"] >= start]
+        split = {p: sum(s.get("phases", {}).get(p, 0.0) for s in spans) for p in PHASES}
+        split["other"] = seconds["train"] - sum(split.values())
+        print("      its training steps: " + ", ".join(
+            f"{p} {s / max(seconds['train'], 1e-9):.0%}" for p, s in split.items()
+        ) + f" of {seconds['train']:.1f} s")  # fmt: skip
+        if rank == leader:
+            train, sync, phases = seconds["train"], seconds["sync"], split
     per_sample = {
         "generation + send (per rollout rank, in parallel)": (
             max(rollout_busy) / samples if rollout_busy else 0.0
@@ -100,13 +103,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--run-dir", type=Path, help="profile this run instead of a new one")
+    parser.add_argument("--rollout-ranks", type=int, default=1)
+    parser.add_argument("--train-ranks", type=int, default=1)
     parser.add_argument("overrides", nargs="*", help="key=value for the new run")
     args = parser.parse_args()
     if args.run_dir:
         profile(args.run_dir)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        run(args.steps, args.overrides, Path(tmp) / "run")
+        ranks = [f"--rollout-ranks={args.rollout_ranks}", f"--train-ranks={args.train_ranks}"]
+        run(args.steps, ranks, args.overrides, Path(tmp) / "run")
         profile(Path(tmp) / "run")
 
 

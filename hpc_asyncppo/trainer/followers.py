@@ -130,4 +130,4 @@ def run_follower(
         train_start = time.time()
         if ppo_update(policy, to_tensors(shard, topo.device)) is None:
             continue  # abandoned by a stop signal, as on the leader: a checkpoint order follows
-        timeline.record("train", train_start, time.time(), step=step)
+        timeline.record("train", train_start, time.time(), step=step, phases=policy.phase_seconds)

@@ -101,7 +101,7 @@ class Policy:
             cfg.trainer.total_steps * cfg.actor.ppo_epochs * cfg.async_training.require_batches
         )
         self.schedule = LRSchedule(self.optimizer, cfg.actor, total_updates)
-        self.phase_seconds: dict[str, float] = {}  # the last update's, ``PhaseClock``'s
+        self.phase_seconds: dict[str, float] = {}  # the last update's by phase (``PhaseClock``)
 
     # --- running the model ----------------------------------------------------------------
     def forward(
@@ -436,7 +436,8 @@ def ppo_update(policy: Policy, batch: dict[str, torch.Tensor]) -> dict[str, floa
 
 class PhaseClock:
     """This rank's wall seconds in each phase of one update, kept in ``Policy.phase_seconds``
-    after it (the leader logs its own as ``time/<phase>_s``): ``log_probs`` (the pass
+    after it (every trainer rank's train span carries them as ``phases``, and the leader
+    logs its own as ``time/<phase>_s``): ``log_probs`` (the pass
     before the update: old and reference log-probs, values), ``forward`` and ``backward``
     (every micro-batch's, FSDP's collectives included), ``optimizer`` (clipping and the
     step). On a GPU each lap waits for the device first, so the phases are the device's
@@ -454,7 +455,7 @@ class PhaseClock:
         self.last = now
 
     def seconds(self) -> dict[str, float]:
-        return {f"time/{phase}_s": s for phase, s in self.laps.items()}
+        return dict(self.laps)
 
 
 def mini_batch_plans(policy: Policy, batch: dict[str, torch.Tensor]) -> list[list[np.ndarray]]:

@@ -203,7 +203,8 @@ class TrainerLeader:
             # tokens it trained on (prompts and responses, padding not counted)
             "time/train_s": time.time() - train_start,
             "tokens/trained": int(tokens),
-            **self.policy.phase_seconds,  # the update's phases on the leader (policy.PhaseClock)
+            # the update's phases on the leader (policy.PhaseClock)
+            **{f"time/{phase}_s": s for phase, s in self.policy.phase_seconds.items()},
             "queue/groups": len(self.intake),
             "queue/spilled_groups": self.intake.queue.spilled_count,
             "sync/time_s": self.sender.last_sync_s,
@@ -212,7 +213,9 @@ class TrainerLeader:
             "memory/trainer_peak_mb": peak_memory_mb(self.topo.device),
         }
         self.steplog.trained(batch, rewards, stats, leader)
-        self.timeline.record("train", train_start, time.time(), step=self.step)
+        self.timeline.record(
+            "train", train_start, time.time(), step=self.step, phases=self.policy.phase_seconds
+        )
         return stats
 
     def between_polls(self) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from hpc_asyncppo.runlog import read_jsonl
 from hpc_asyncppo.runtime.heartbeat import interval_s
+from hpc_asyncppo.timeline import read_timeline
 from tests.harness import SMALL, SMALL_AUDITED, Run, check_audit, check_weights_match, sent_versions
 
 pytestmark = pytest.mark.mpi
@@ -43,6 +44,18 @@ def test_topology_trains_syncs_and_stays_within_staleness(tmp_path, rollout_rank
         ["rollout"] * rollout_ranks + ["trainer"] * train_ranks
     )
     assert all(r["state"] == "done" for r in ranks.values())
+    # every trainer rank's steps say where their time went (scripts/profile_step.py), the
+    # leader's as it logged them
+    for rank in range(rollout_ranks, rollout_ranks + train_ranks):
+        [session] = read_timeline(run_dir)[rank]
+        trains = session.of("train")
+        assert [t["step"] for t in trains] == list(range(1, 7)), rank
+        for t in trains:
+            assert set(t["phases"]) == {"log_probs", "forward", "backward", "optimizer"}
+            assert 0 < sum(t["phases"].values()) <= t["end"] - t["start"], (rank, t)
+        if rank == rollout_ranks:
+            logged = [m["time/forward_s"] for m in metrics]
+            assert logged == [t["phases"]["forward"] for t in trains]
 
 
 def test_sync_mode_is_on_policy(tmp_path):
