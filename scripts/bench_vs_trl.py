@@ -109,11 +109,10 @@ def build_model(out: Path, overrides: list[str], seed: int) -> Path:
 
 
 def tool_delay(overrides: list[str]) -> tuple[float, float] | None:
-    """The lookup tool's delay range from the tool config our runs are given, or None
-    when they run without tools."""
-    import yaml
-
+    """The lookup tool's delay range (``LookupTool.delay``) from the tool config our runs
+    are given, or None when they run without tools."""
     from hpc_asyncppo.config.files import tool_config_file
+    from hpc_asyncppo.tools.base import load_tools
 
     if "rollout.multi_turn.enable=true" not in overrides:
         return None
@@ -122,10 +121,7 @@ def tool_delay(overrides: list[str]) -> tuple[float, float] | None:
         for o in overrides
         if o.startswith("rollout.multi_turn.tool_config_path=")
     ]
-    (tool,) = yaml.safe_load(tool_config_file(path[-1]).read_text())["tools"]
-    delay = (tool.get("config") or {}).get("delay_s", 0.0)
-    low, high = (delay, delay) if isinstance(delay, int | float) else delay
-    return float(low), float(high)
+    return load_tools(tool_config_file(path[-1]))["lookup"].delay
 
 
 def run_ours(model: Path, overrides: list[str], steps: int, seed: int, run_dir: Path) -> dict:
