@@ -123,8 +123,9 @@ class RolloutConfig:
     top_k: int = 0  # top-k sampling; 0 disables
     prompts_per_generate: int = 8  # prompts (groups) batched into one engine call
     # hf: tokens one engine step samples before finished groups leave and new ones join
-    # (the next step continues the others from their tokens, a prefill of their context);
-    # 0: each step samples every response to its end, so a batch waits for its longest
+    # (continuous batching: the rows that go on keep their KV cache, only new rows are
+    # prefilled; rollout/resident_batch.py); 0: each step samples every response to its
+    # end in one generate call, so a batch waits for its longest
     hf_step_tokens: int = 0
     torch_threads: int = 1  # intra-op threads of each rollout rank
     tensor_parallel_size: int = 1  # vllm: GPUs (CPU workers) per rollout rank's engine

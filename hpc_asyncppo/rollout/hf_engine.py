@@ -23,6 +23,7 @@ from hpc_asyncppo.rollout.generation import (
     Response,
     ResponseGroup,
 )
+from hpc_asyncppo.rollout.resident_batch import ResidentBatch, sample_tokens
 from hpc_asyncppo.runlog import weights_digest
 from hpc_asyncppo.transport.weight_group import WeightGroupSpec, open_weight_group
 from hpc_asyncppo.transport.weights import (
@@ -77,6 +78,9 @@ class HFEngine:
         )
         self.version = -1
         self.groups: dict[Hashable, ResponseGroup] = {}
+        # rollout.hf_step_tokens > 0: the rows in flight with their KV cache, per sampling
+        # temperature, kept from one step to the next (resident_batch.py)
+        self.resident: dict[float | None, ResidentBatch] = {}
         # While true, a step ends at once with the tokens so far (the rank's stop flag).
         self.should_stop: Callable[[], bool] | None = None
         # multi-turn (rollout/turns.py): the tokens that end the model's turn (EOS and the
@@ -146,8 +150,9 @@ class HFEngine:
     # The step interface of the rollout loop: one step generates every response in flight, all
     # in one batch, to its end (or to the stop flag), or ``rollout.hf_step_tokens`` tokens
     # further: then groups finish (and new ones join) between steps, and the next step
-    # continues the others from their tokens (a prefill of their contexts, under whatever
-    # weights are loaded by then: each token records its version).
+    # continues the others on the batch it holds (their keys and values kept: only rows
+    # new to it are prefilled; after new weights, every row is, so each token is the
+    # loaded weights' and records their version).
     @property
     def in_flight(self) -> int:
         return len(self.groups)
@@ -169,35 +174,76 @@ class HFEngine:
         rows = [
             (key, r) for key, group in self.groups.items() for r in group.responses if r.runnable
         ]
-        width = self.cfg.response_length
         by_temperature: dict[float | None, list[tuple[Hashable, Response]]] = {}
         for key, r in rows:  # one batch per sampling temperature (validation's is its own)
             by_temperature.setdefault(self.groups[key].temperature, []).append((key, r))
+        for temperature in list(self.resident):
+            if temperature not in by_temperature:  # none of its rows runs now
+                self.resident.pop(temperature).clear()
         for temperature, batch in by_temperature.items():
-            contexts = [self.groups[key].context(r) for key, r in batch]
-            ends = [min(width, r.limit or width) for _, r in batch]
-            budgets = [end - len(r.tokens) for end, (_, r) in zip(ends, batch, strict=True)]
-            new_ids, new_lps = self.sample(contexts, self.step_budget(budgets), temperature)
-            for (_, r), ids, lps, budget, end in zip(batch, new_ids, new_lps, budgets, ends,
-                                                     strict=True):  # fmt: skip
-                take = ids[:budget]
-                stop = next((i for i, t in enumerate(take) if t in self.stops), None)
-                if stop is not None:
-                    take = take[: stop + 1]
-                r.tokens += take
-                r.log_probs += lps[: len(take)]
-                r.versions += [self.version] * len(take)
-                if stop is not None or len(r.tokens) >= end:
-                    r.end_turn(width, bool(self.turn_ends))
+            if self.cfg.hf_step_tokens > 0:
+                self.continue_batch(temperature, batch)
+            else:
+                self.sample_batch(temperature, batch)
         done = [key for key, group in self.groups.items() if group.complete]
         width, pad = self.cfg.response_length, self.pad_id
         return [(key, self.groups.pop(key).generation(width, pad)) for key in done]
 
-    def step_budget(self, budgets: list[int]) -> int:
-        """The tokens this step samples: to the longest response's end, or at most
-        ``rollout.hf_step_tokens``."""
-        chunk = self.cfg.hf_step_tokens
-        return min(max(budgets), chunk) if chunk > 0 else max(budgets)
+    def ends(self, r: Response) -> int:
+        """Where ``r``'s current turn stops: the room's end, or the gateway's limit."""
+        width = self.cfg.response_length
+        return min(width, r.limit or width)
+
+    def take(self, r: Response, ids: list[int], lps: list[float]) -> None:
+        """Append sampled tokens to ``r`` up to its first stop token or its end (both
+        included), and end its turn there."""
+        end = self.ends(r)
+        take = ids[: end - len(r.tokens)]
+        stop = next((i for i, t in enumerate(take) if t in self.stops), None)
+        if stop is not None:
+            take = take[: stop + 1]
+        r.tokens += take
+        r.log_probs += lps[: len(take)]
+        r.versions += [self.version] * len(take)
+        if stop is not None or len(r.tokens) >= end:
+            r.end_turn(self.cfg.response_length, bool(self.turn_ends))
+
+    def sample_batch(self, temperature: float | None, batch: list[tuple[Hashable, Response]]):
+        """One ``generate`` call over the batch, to its longest response's end."""
+        contexts = [self.groups[key].context(r) for key, r in batch]
+        budget = max(self.ends(r) - len(r.tokens) for _, r in batch)
+        new_ids, new_lps = self.sample(contexts, budget, temperature)
+        for (_, r), ids, lps in zip(batch, new_ids, new_lps, strict=True):
+            self.take(r, ids, lps)
+
+    @torch.no_grad()
+    def continue_batch(self, temperature: float | None, batch: list[tuple[Hashable, Response]]):
+        """``rollout.hf_step_tokens`` tokens of every row, on the batch held from the last
+        step (``ResidentBatch``: only rows new to it are prefilled). A row leaves the batch
+        as soon as its turn ends; the step ends early when none is left or when
+        ``should_stop()`` turns true."""
+        held = self.resident.get(temperature)
+        if held is None:
+            held = self.resident[temperature] = ResidentBatch(self.model, self.device)
+        held.hold([(r, self.groups[key].context(r)) for key, r in batch])
+        cfg = self.cfg
+        temperature = cfg.temperature if temperature is None else temperature
+        for _ in range(cfg.hf_step_tokens):
+            if self.should_stop is not None and self.should_stop():
+                break
+            tokens, lps = sample_tokens(held.logits, temperature, cfg.top_p, cfg.top_k)
+            going = []
+            for i, (r, token, lp) in enumerate(
+                zip(held.owners, tokens.tolist(), lps.tolist(), strict=True)
+            ):
+                self.take(r, [token], [lp])
+                if r.runnable:
+                    going.append(i)
+            if not going:
+                held.clear()
+                break
+            held.select(going)
+            held.advance(tokens[going])
 
     @property
     def stops(self) -> set[int]:
@@ -253,6 +299,7 @@ class HFEngine:
             self.load_adapters(specs, buckets, version)
             return
         self.check_weights(specs)
+        self.drop_resident()
         self.adapters = None
         self.merged = list(self._params)  # a later LoRA sync starts from the base again
         params = dict(self.model.named_parameters())
@@ -297,11 +344,19 @@ class HFEngine:
         targeted = set(targets)
         weights = targets + [n for n in self.merged if n not in targeted]
         merged = lora.merged_weights(adapters, self.base.read(weights), dtype, everything=True)
+        self.drop_resident()
         for name, tensor in merged:
             self._params[name].copy_(tensor)
         self.merged = targets
         self.adapters = adapters
         self.version = version
+
+    def drop_resident(self) -> None:
+        """New weights: the keys and values held are the old weights'; every row in flight
+        is prefilled again at the next step."""
+        for held in self.resident.values():
+            held.clear()
+        self.resident = {}
 
     def weight_destination(self, name: str) -> torch.Tensor | None:
         """The parameter's own storage: a sync receives large tensors straight into it."""

@@ -9,6 +9,7 @@ from hpc_asyncppo.config import Config, ModelConfig, RolloutConfig
 from hpc_asyncppo.models import lora
 from hpc_asyncppo.rollout.generation import response_lengths
 from hpc_asyncppo.rollout.hf_engine import HFEngine, left_pad
+from hpc_asyncppo.rollout.resident_batch import ResidentBatch, filtered, sample_tokens
 from hpc_asyncppo.trainer.policy import Policy
 
 CPU = torch.device("cpu")
@@ -184,3 +185,85 @@ def test_lora_syncs_merge_from_a_base_read_once_and_a_narrower_one_restores_the_
     assert set(expected) < set(lora.base_targets(wide))
     for name, param in engine.named_parameters():
         assert torch.equal(param, expected.get(name, base[name])), name
+
+
+def test_steps_keep_the_rows_in_flight_and_prefill_only_those_that_join(
+    tiny_model_dir, log_probs_of
+):
+    """rollout.hf_step_tokens=3, sampled at temperature 0.7 with top-k and top-p, groups
+    joining between steps and leaving at their EOS: a step continues the rows it held by
+    decoding alone (every model call but a joining group's prefill takes one token per
+    row), and every sampled token's log-prob is the trainer's for its context."""
+    _, engine, policy = engine_and_policy(
+        tiny_model_dir, 0.7, response_length=12, hf_step_tokens=3, top_k=8, top_p=0.9
+    )
+    widths = []
+    engine.model.register_forward_pre_hook(
+        lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
+    torch.manual_seed(3)
+    prompts = {key: engine.encode(text) for key, text in [("a", "1 2 3 ="), ("b", "9 ="),
+                                                          ("c", "5 5 5 5 5 =")]}  # fmt: skip
+    done = {}
+    engine.submit("a", prompts["a"], 4)
+    done.update(engine.step())
+    assert widths[0] == (4, len(prompts["a"])) and all(w[1] == 1 for w in widths[1:])
+    engine.submit("b", prompts["b"], 4)
+    engine.submit("c", prompts["c"], 4)
+    widths.clear()
+    done.update(engine.step())
+    assert widths[0] == (8, len(prompts["c"]))  # b and c join in one prefill, a continues
+    assert all(w[1] == 1 for w in widths[1:]) and widths[1][0] > 4
+    widths.clear()
+    while len(done) < 3:
+        done.update(engine.step())
+    assert all(w[1] == 1 for w in widths), widths  # nothing joined: decoding alone
+    lengths = np.concatenate([g.response_lengths for g in done.values()])
+    assert len(set(lengths.tolist())) > 1  # rows left at different steps
+    keys = list(prompts)
+    trainer_lp, rollout_lp, mask = log_probs_of(
+        policy, [prompts[k] for k in keys], [done[k] for k in keys], engine.pad_id
+    )
+    diff = (trainer_lp - rollout_lp).abs()[mask]
+    assert diff.max().item() < 1e-5, diff.max().item()
+
+
+def test_a_row_whose_context_grew_is_prefilled_again(tiny_model_dir):
+    """A held row whose context changed outside the engine (a multi-turn observation) is
+    dropped and prefilled from its new context: its logits are then a fresh forward's."""
+    _, engine, _ = engine_and_policy(tiny_model_dir)
+    held = ResidentBatch(engine.model, CPU)
+    first, second = object(), object()
+    contexts = {first: engine.encode("1 2 ="), second: engine.encode("3 4 5 6 =")}
+    with torch.no_grad():
+        held.hold([(o, c) for o, c in contexts.items()])
+        held.advance(torch.tensor([5, 6]))
+        contexts[first] = contexts[first] + [5] + engine.encode("7 7")  # an observation
+        contexts[second] = contexts[second] + [6]
+        held.hold([(second, contexts[second]), (first, contexts[first])])
+        assert held.owners == [second, first] and held.lengths == [6, 6]
+        for row, owner in enumerate(held.owners):
+            fresh = engine.model(torch.tensor([contexts[owner]])).logits[0, -1]
+            torch.testing.assert_close(held.logits[row], fresh, atol=1e-5, rtol=0)
+
+
+def test_top_k_and_top_p_keep_the_tokens_transformers_keeps():
+    """The continued steps sample among the tokens that transformers' top-k and top-p
+    warpers (``generate``'s) leave, and never outside them; the log-prob is the unfiltered
+    distribution's at the temperature."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 40) * 3
+    for top_k, top_p in [(5, 1.0), (0, 0.8), (10, 0.6), (0, 0.05), (0, 0.999)]:
+        scaled = logits / 0.7
+        theirs = TopKLogitsWarper(top_k)(None, scaled.clone()) if top_k else scaled.clone()
+        theirs = TopPLogitsWarper(top_p)(None, theirs) if top_p < 1 else theirs
+        allowed = torch.isfinite(theirs)
+        assert torch.equal(torch.isfinite(filtered(scaled, top_p, top_k)), allowed)
+        assert 1 <= allowed.sum(-1).min() and allowed.sum(-1).max() < 40
+        for _ in range(50):
+            tokens, log_probs = sample_tokens(logits, 0.7, top_p, top_k)
+            assert allowed[torch.arange(6), tokens].all(), (top_k, top_p)
+            expected = torch.log_softmax(scaled, -1).gather(-1, tokens[:, None])[:, 0]
+            torch.testing.assert_close(log_probs, expected)
