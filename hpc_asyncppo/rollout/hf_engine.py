@@ -3,6 +3,14 @@
 Prompts are left-padded (decoder-only batching), responses right-padded after EOS. The
 log-prob of each sampled token is log_softmax(logits / temperature) at that position: the
 same quantity the trainer recomputes, so the two agree up to float error for equal weights.
+
+Two ways to run a step: by default one ``generate`` call samples every response in flight
+to its end (a batch waits for its longest response; the call's KV cache is freed at its
+end); with ``rollout.hf_step_tokens=k`` the engine batches continuously
+(``resident_batch.py``): a step decodes k tokens of every row, a response leaves the batch
+at its end and new groups join between steps, and the rows that go on keep their KV cache
+from one step to the next (memory: that cache for the rows in flight, and with in-flight
+weight updates the staging copy of the weights, ``engine_weights.py``).
 """
 
 from __future__ import annotations
