@@ -214,6 +214,28 @@ def test_a_lora_on_a_tied_lm_head_is_refused(tmp_path):
             load_config(overrides=head)
 
 
+def test_continuous_hf_steps_on_a_sliding_window_model_are_refused(tmp_path):
+    """The hf engine's continuous batching holds a full KV cache per row: a model whose
+    config declares sliding-window layers is refused before any rank, one that does not
+    passes."""
+    import json
+
+    for sliding in (True, False):
+        model = tmp_path / f"sliding_{sliding}"
+        model.mkdir()
+        config = {"vocab_size": 64, "hidden_size": 8, "num_hidden_layers": 2,
+                  "intermediate_size": 16, "num_attention_heads": 2,
+                  "use_sliding_window": sliding}  # fmt: skip
+        (model / "config.json").write_text(json.dumps(config))
+        steps = [f"model.path={model}", "rollout.hf_step_tokens=4"]
+        load_config(overrides=[f"model.path={model}"])
+        if sliding:
+            with pytest.raises(ConfigError, match="sliding_attention layers: set rollout.hf_step"):
+                load_config(overrides=steps)
+        else:
+            load_config(overrides=steps)
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [

@@ -376,6 +376,17 @@ def validate(cfg: Config, rollout_ranks: int = 1, train_ranks: int = 1) -> None:
             raise ConfigError(str(exc)) from None
     if cfg.rollout.engine == "hf" and cfg.rollout.tensor_parallel_size > 1:
         raise ConfigError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
+    if cfg.rollout.engine == "hf" and cfg.rollout.hf_step_tokens and cfg.model.path:
+        from hpc_asyncppo.config.model_shape import attention_kinds
+
+        other = attention_kinds(cfg.model.path) - {"full_attention"}
+        if other:
+            raise ConfigError(
+                f"rollout.hf_step_tokens={cfg.rollout.hf_step_tokens}: the hf engine's "
+                f"continuous batching keeps a full KV cache per row, and {cfg.model.path} has "
+                f"{', '.join(sorted(other))} layers: set rollout.hf_step_tokens=0 or "
+                "rollout.engine=vllm"
+            )
     if cfg.actor.lora_rank > 0 and "lm_head" in lora_targets(cfg.actor.target_modules):
         from hpc_asyncppo.config.model_shape import ModelShape
 

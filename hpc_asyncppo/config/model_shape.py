@@ -1,6 +1,6 @@
 """The sizes of the model ``model.path`` names, from its ``config.json`` (an HF decoder of
-the Llama/Qwen2 family): what the config's validation checks against (a tied LM head)
-and what ``memory.py``'s estimates count."""
+the Llama/Qwen2 family): what the config's validation checks against (a tied LM head,
+sliding-window layers) and what ``memory.py``'s estimates count."""
 
 from __future__ import annotations
 
@@ -79,3 +79,16 @@ class ModelShape:
     @property
     def largest_tensor(self) -> int:
         return max(self.vocab * self.hidden, self.hidden * self.intermediate)
+
+
+def attention_kinds(model_path: str) -> set[str]:
+    """The kinds of attention layer ``model_path``'s config.json declares ("full_attention",
+    "sliding_attention", ...: transformers' ``layer_types``, or ``use_sliding_window``);
+    empty where it has no readable config.json."""
+    try:
+        c = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    if c.get("layer_types"):
+        return set(c["layer_types"])
+    return {"sliding_attention" if c.get("use_sliding_window") else "full_attention"}
