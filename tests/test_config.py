@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -192,18 +193,21 @@ def test_engine_specific_settings_are_checked(overrides, expected):
     )
 
 
+def model_folder(where: Path, **fields) -> Path:
+    """A model folder with only a config.json (a small decoder's sizes, then ``fields``):
+    what the config's checks read of a model."""
+    where.mkdir()
+    config = {"vocab_size": 64, "hidden_size": 8, "num_hidden_layers": 2,
+              "intermediate_size": 16, "num_attention_heads": 2, **fields}  # fmt: skip
+    (where / "config.json").write_text(json.dumps(config))
+    return where
+
+
 def test_a_lora_on_a_tied_lm_head_is_refused(tmp_path):
     """Qwen2.5-0.5B ties its LM head to the embeddings: an lm_head adapter would have no head
     of its own to merge into on the rollout side, so the config says so before any rank."""
-    import json
-
     for tied in (True, False):
-        model = tmp_path / f"tied_{tied}"
-        model.mkdir()
-        config = {"vocab_size": 64, "hidden_size": 8, "num_hidden_layers": 1,
-                  "intermediate_size": 16, "num_attention_heads": 2,
-                  "tie_word_embeddings": tied}  # fmt: skip
-        (model / "config.json").write_text(json.dumps(config))
+        model = model_folder(tmp_path / f"tied_{tied}", tie_word_embeddings=tied)
         lora = [f"model.path={model}", "actor.lora_rank=8"]
         load_config(overrides=[*lora, "actor.target_modules=all-linear"])
         head = [*lora, "actor.target_modules=all-linear,lm_head"]
@@ -218,15 +222,8 @@ def test_continuous_hf_steps_on_a_sliding_window_model_are_refused(tmp_path):
     """The hf engine's continuous batching holds a full KV cache per row: a model whose
     config declares sliding-window layers is refused before any rank, one that does not
     passes."""
-    import json
-
     for sliding in (True, False):
-        model = tmp_path / f"sliding_{sliding}"
-        model.mkdir()
-        config = {"vocab_size": 64, "hidden_size": 8, "num_hidden_layers": 2,
-                  "intermediate_size": 16, "num_attention_heads": 2,
-                  "use_sliding_window": sliding}  # fmt: skip
-        (model / "config.json").write_text(json.dumps(config))
+        model = model_folder(tmp_path / f"sliding_{sliding}", use_sliding_window=sliding)
         steps = [f"model.path={model}", "rollout.hf_step_tokens=4"]
         load_config(overrides=[f"model.path={model}"])
         if sliding:
