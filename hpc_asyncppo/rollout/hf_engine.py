@@ -31,7 +31,7 @@ from hpc_asyncppo.rollout.generation import (
     Response,
     ResponseGroup,
 )
-from hpc_asyncppo.rollout.resident_batch import ResidentBatch, sample_tokens
+from hpc_asyncppo.rollout.resident_batch import ResidentBatch, left_pad, sample_tokens
 from hpc_asyncppo.runlog import weights_digest
 from hpc_asyncppo.transport.weight_group import WeightGroupSpec, open_weight_group
 from hpc_asyncppo.transport.weights import (
@@ -40,17 +40,6 @@ from hpc_asyncppo.transport.weights import (
     WeightUpdate,
     check_version,
 )
-
-
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, P) ids and attention mask, each prompt right-aligned."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p) :] = 1
-    return ids, mask
 
 
 class _Flag(StoppingCriteria):

@@ -30,6 +30,17 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) ids and attention mask, each prompt right-aligned."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
 def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     extra = width - t.shape[dim]
     if extra == 0:
@@ -109,13 +120,8 @@ class ResidentBatch:
 
     def _join(self, rows: list[tuple[object, list[int]]]) -> None:
         """Prefill the contexts of ``rows`` (left-padded) and append them to the batch."""
-        width = max(len(context) for _, context in rows)
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, (_, context) in enumerate(rows):
-            ids[i, width - len(context) :] = torch.tensor(context, dtype=torch.long)
-            mask[i, width - len(context) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask = left_pad([context for _, context in rows], pad_id=0)  # pads are masked
+        ids, mask, width = ids.to(self.device), mask.to(self.device), ids.shape[1]
         cache = DynamicCache(config=self.model.config)
         out = self.model(
             input_ids=ids,
