@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import resource
 import socket
 import sys
@@ -110,9 +111,22 @@ def _status_kib(field: str) -> int:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, for a process started later to bind (a spawned rank's
+    store, seconds away behind its imports). Drawn below the kernel's ephemeral range: a
+    port picked by binding port 0 is an ephemeral one, which any connection made meanwhile
+    (the other test worker's runs make many) can be given first, and the rank then fails
+    with EADDRINUSE (seen in a full suite run)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    draw = random.Random()  # not the tests' seeded generators
+    for _ in range(200):
+        port = draw.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port below {low} in 200 draws")
 
 
 def end_spawned_rank(*queues: object) -> NoReturn:

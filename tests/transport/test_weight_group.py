@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -26,16 +25,11 @@ from hpc_asyncppo.transport.weight_group import (
     serve_store,
 )
 from hpc_asyncppo.transport.weights import WeightBroadcaster, WeightReceiver
+from tests.conftest import free_port
 
 SILENT_S = 120  # the silent rank stays in the default group this long, doing nothing
 HANG_S = 60  # the sync's ranks end before this, and long before the silent one
 CPU = torch.device("cpu")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_members_are_numbered_by_rollout_rank_then_worker() -> None:
@@ -79,11 +73,11 @@ def _rank(rank: int, world_port: int, spec: WeightGroupSpec, out: dict) -> None:
 
 
 def test_a_sync_completes_while_the_default_group_has_a_silent_rank() -> None:
-    spec = WeightGroupSpec("127.0.0.1", _port(), 2, "gloo", timeout_s=SILENT_S / 2)
+    spec = WeightGroupSpec("127.0.0.1", free_port(), 2, "gloo", timeout_s=SILENT_S / 2)
     with mp.Manager() as manager:
         out = manager.dict()
         ctx = mp.get_context("spawn")
-        world_port = _port()
+        world_port = free_port()
         procs = [ctx.Process(target=_rank, args=(r, world_port, spec, out)) for r in range(3)]
         for p in procs:
             p.start()
@@ -102,7 +96,7 @@ def test_a_closed_generation_refuses_at_once_and_the_next_one_meets() -> None:
     """A generation replaced (an engine restarted) is closed on every member: a broadcast
     posted on it by a late caller is refused (not posted, to time out), and
     the next generation meets on the same store."""
-    spec = WeightGroupSpec("127.0.0.1", _port(), 2, "gloo", timeout_s=HANG_S)
+    spec = WeightGroupSpec("127.0.0.1", free_port(), 2, "gloo", timeout_s=HANG_S)
     store = serve_store(spec.host, spec.world_size, spec.timeout_s)
     spec = dataclasses.replace(spec, port=store.port)
     with ThreadPoolExecutor(max_workers=1) as pool:
