@@ -32,7 +32,9 @@ def run(client, row) -> dict:
     messages = list(row.messages)
     calls, first, answered = 0, None, None
     for _ in range(4):
-        out = client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP])
+        out = client.chat.completions.create(
+            model="policy", messages=messages, tools=[LOOKUP], parallel_tool_calls=False
+        )
         choice = out.choices[0]
         message = choice.message.model_dump(exclude_none=True)
         messages.append(message)

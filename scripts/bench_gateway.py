@@ -135,6 +135,7 @@ def serve(root: Path, width: int):
     from hpc_asyncppo.config import DataConfig, ModelConfig, RolloutConfig, TinyModelConfig
     from hpc_asyncppo.models.tiny import build_tiny_model
     from hpc_asyncppo.rollout.gateway.addresses import make_token
+    from hpc_asyncppo.rollout.gateway.requests import Fields
     from hpc_asyncppo.rollout.gateway.server import Gateway, make_app
     from hpc_asyncppo.rollout.gateway.sessions import Sessions
     from hpc_asyncppo.rollout.hf_engine import HFEngine
@@ -151,7 +152,7 @@ def serve(root: Path, width: int):
                         gather_s=GATHER_S)  # fmt: skip
     engine.turn_ends = sessions.turn_ends
     token = make_token(root)
-    app = make_app(sessions, token, "tiny", {"temperature": 1.0, "top_p": 1.0}, 2**23)
+    app = make_app(sessions, token, "tiny", Fields({"temperature": 1.0, "top_p": 1.0}), 2**23)
     gateway = Gateway(app, "127.0.0.1", 0)
     rank = Rank(engine, sessions)
     rank.start()

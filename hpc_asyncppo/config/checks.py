@@ -18,6 +18,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "actor.lr_scheduler": ("constant", "cosine"),
     "actor.optimizer_impl": ("auto", "foreach", "fused", "for-loop"),
     "rollout.engine": ("hf", "vllm"),
+    "gateway.sampling": ("override", "refuse"),
+    "gateway.tool_parser": ("auto", "hermes", "llama3_json", "mistral"),
+    "gateway.on_session_failure": ("drop", "score"),
     "actor.loss_agg_mode": (
         "token-mean",
         "seq-mean-token-sum",
@@ -130,6 +133,8 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "gateway.claim_wait_s": (0, False),
     "gateway.max_request_mb": (0, True),
     "gateway.max_sequences": (1, False),
+    "gateway.max_failed_in_row": (0, False),
+    "gateway.max_failed_share": (0, True),
 }
 
 _UPPER_BOUNDS: dict[str, float] = {
@@ -140,6 +145,7 @@ _UPPER_BOUNDS: dict[str, float] = {
     "actor.clip_ratio_low": 1.0,
     "actor.min_lr_ratio": 1.0,
     "actor.lora_dropout": 0.99,
+    "gateway.max_failed_share": 1.0,
 }
 
 

@@ -106,8 +106,25 @@ class GatewayConfig:
     claim_wait_s: float = 30.0  # POST /v1/sessions waits this long for a session, then 429
     max_request_mb: float = 8.0  # a request body larger than this gets 413
     # a session's sequences at most: a call that does not extend its conversation starts
-    # one more (trained as a further sample with the session's reward); past this, 400
-    max_sequences: int = 4
+    # one more (trained as a further sample with the session's reward); past this, the call
+    # is answered with no turn and finish_reason "length". 32: a 30-step agent that
+    # rewrites its history every step (smolagents). Each costs a row of
+    # rollout.response_length tokens in its group (12 bytes a token on the wire and queue)
+    max_sequences: int = 32
+    # a request's temperature, top_p, top_k, min_p, penalties or logit_bias other than the
+    # run's: override (the run's sampling is used, the answer says so) | refuse (400)
+    sampling: str = "override"
+    tool_parser: str = "auto"  # how the model writes tool calls: auto (from its chat
+    # template) | hermes | llama3_json | mistral
+    # a session that fails: drop its group (none of it trained) | score (its group is
+    # trained, the failed session's reward gateway.failure_reward)
+    on_session_failure: str = "drop"
+    failure_reward: float = 0.0  # a failed session's reward under on_session_failure=score
+    # the agent fails every session: the run stops, naming its error, when this many in a
+    # row on a rank failed (0: never for this) ...
+    max_failed_in_row: int = 64
+    # ... or more than this share of a rank's last 256 (1.0: never for this)
+    max_failed_share: float = 0.95
 
 
 @dataclass

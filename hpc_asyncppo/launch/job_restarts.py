@@ -6,7 +6,8 @@ checkpoint, as a resume would be: every rank finds that checkpoint itself, and t
 exactly-once audit holds across the attempts as it does across preemptions. Not retried:
 
 - the input: a failure whose error is the config's, the data's, the GPU layout's, a
-  checkpoint's (of another model, unreadable), or user code that does not import. The same
+  checkpoint's (of another model, unreadable), user code that does not import, or an
+  agent that fails every session (``AgentError``). The same
   input fails the same way; the user must change it.
 - a full disk or quota: it does not free itself in a back-off, and a retry would only
   lose the checkpoint the next stop writes.
@@ -38,7 +39,7 @@ from hpc_asyncppo.runlog import read_jsonl
 # Exception types, as a failed rank records them, that say the input is wrong
 INPUT_ERRORS = frozenset({
     "ConfigError", "DatasetError", "GpuLayoutError", "CheckpointError", "ImportError",
-    "ModuleNotFoundError", "SyntaxError",
+    "ModuleNotFoundError", "SyntaxError", "AgentError",
 })  # fmt: skip
 DISK_FULL = ("No space left on device", "Disk quota exceeded")
 

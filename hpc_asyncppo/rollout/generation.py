@@ -9,6 +9,7 @@ later row names its session (``row_sessions``) and carries its prompt (``row_pro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -78,6 +79,11 @@ class Response:
     # conversation), generated after ``prompt``; None: the group's prompt, its own session
     prompt: list[int] | None = None
     session: int | None = None
+    # the gateway: the current turn's own stop tokens (None: the engine's) and stop
+    # strings, looked for in the turn's text from ``turn_start`` on
+    stop_ids: frozenset[int] | None = None
+    stop_texts: tuple[str, ...] = ()
+    turn_start: int = 0
 
     def observe(self, tokens: list[int]) -> None:
         """Append a tool's or an environment's answer (log-prob 0, version -1)."""
@@ -95,6 +101,19 @@ class Response:
             self.waiting = True
         else:
             self.finished = True
+
+    def stop_at_text(self, decode: Callable[[list[int]], str]) -> bool:
+        """The turn's text holds one of ``stop_texts``: its tokens are cut after the token
+        that completed the first (those after it as if never sampled: the sample stops
+        where its stopping rule says), and True; the engine then ends the turn."""
+        turn = self.tokens[self.turn_start :]
+        if not self.stop_texts or not any(s in decode(turn) for s in self.stop_texts):
+            return False
+        k = next(k for k in range(1, len(turn) + 1)
+                 if any(s in decode(turn[:k]) for s in self.stop_texts))  # fmt: skip
+        end = self.turn_start + k
+        del self.tokens[end:], self.log_probs[end:], self.versions[end:]
+        return True
 
     @property
     def runnable(self) -> bool:

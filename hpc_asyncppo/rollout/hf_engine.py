@@ -193,17 +193,24 @@ class HFEngine:
 
     def take(self, r: Response, ids: list[int], lps: list[float]) -> None:
         """Append sampled tokens to ``r`` up to its first stop token or its end (both
-        included), and end its turn there."""
+        included), and end its turn there; a gateway call's own stop tokens and strings
+        (``Response.stop_ids``, ``stop_texts``) end it too."""
         end = self.ends(r)
         take = ids[: end - len(r.tokens)]
-        stop = next((i for i, t in enumerate(take) if t in self.stops), None)
+        stops = self.stops if r.stop_ids is None else r.stop_ids
+        stop = next((i for i, t in enumerate(take) if t in stops), None)
         if stop is not None:
             take = take[: stop + 1]
         r.tokens += take
         r.log_probs += lps[: len(take)]
         r.versions += [self.version] * len(take)
+        if r.stop_texts and r.stop_at_text(self._decode_list):
+            stop = len(r.tokens)  # a gateway call's stop string ended the turn
         if stop is not None or len(r.tokens) >= end:
             r.end_turn(self.cfg.response_length, bool(self.turn_ends))
+
+    def _decode_list(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def sample_batch(self, temperature: float | None, batch: list[tuple[Hashable, Response]]):
         """One ``generate`` call over the batch, to its longest response's end."""

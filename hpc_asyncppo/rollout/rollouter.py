@@ -74,7 +74,7 @@ from hpc_asyncppo.rollout.engine import EngineDied, RolloutEngine
 from hpc_asyncppo.rollout.engine_factory import make_engine
 from hpc_asyncppo.rollout.engine_weights import EngineWeights
 from hpc_asyncppo.rollout.gateway.server import Gateway
-from hpc_asyncppo.rollout.gateway.sessions import Sessions
+from hpc_asyncppo.rollout.gateway.sessions import AgentError, Sessions
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup
 from hpc_asyncppo.rollout.turns import Turns
 from hpc_asyncppo.rollout.validation import Validator
@@ -193,8 +193,10 @@ class Rollouter:
             return None, None
         from hpc_asyncppo.rollout.gateway.addresses import read_token
         from hpc_asyncppo.rollout.gateway.agents import AgentRunner
+        from hpc_asyncppo.rollout.gateway.requests import Fields
         from hpc_asyncppo.rollout.gateway.server import Gateway, make_app
         from hpc_asyncppo.tasks.registry import load_agent
+        from hpc_asyncppo.tools.tool_parsers import tool_parser
 
         cfg, token = self.cfg, read_token(self.run_dir)
         gateway: Gateway | None = None
@@ -208,11 +210,15 @@ class Rollouter:
             cfg.data.max_prompt_length, cfg.gateway.agent_timeout_s,
             runner.start if runner else None, GATHER_S if cfg.rollout.engine == "hf" else 0.0,
             cfg.gateway.max_sequences,
+            tool_parser(cfg.gateway.tool_parser, self.engine.tokenizer.chat_template),
+            cfg.gateway.on_session_failure, cfg.gateway.failure_reward,
         )  # fmt: skip
         if runner is not None:
             runner.sessions = sessions
-        sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p}
-        app = make_app(sessions, token, Path(cfg.model.path).name or "model", sampling,
+        sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
+                    "top_k": cfg.rollout.top_k}  # fmt: skip
+        fields = Fields(sampling, cfg.gateway.sampling)
+        app = make_app(sessions, token, Path(cfg.model.path).name or "model", fields,
                        int(cfg.gateway.max_request_mb * 2**20), cfg.gateway.claim_wait_s)  # fmt: skip
         gateway = Gateway(app, cfg.gateway.host, cfg.gateway.port)
         row = gateway.write_address(self.run_dir, self.rank)
@@ -492,6 +498,10 @@ class Rollouter:
             time.sleep(0.002)  # every response waits for a tool: the engine has nothing to do
         if self.sessions is not None:  # agents drive the engine; a group ends with their rewards
             finished = self.sessions.step(self.engine, self.generate)
+            gateway = self.cfg.gateway
+            broken = self.sessions.broken(gateway.max_failed_in_row, gateway.max_failed_share)
+            if broken is not None:  # the same agent fails the same way again: no restart
+                raise AgentError(broken)
         else:
             finished = self.generate()
         if not finished:

@@ -87,20 +87,25 @@ def observation_ids(
     return messages_after_turn(tokenizer, messages, after_eos)
 
 
-def messages_after_turn(tokenizer: Any, messages: list[dict], after_eos: bool) -> list[int]:
+def messages_after_turn(
+    tokenizer: Any, messages: list[dict], after_eos: bool, template_kwargs: dict | None = None
+) -> list[int]:
     """The tokens that follow the model's turn when ``messages`` (tool answers, user
     messages: chat messages as the template takes them) come after it: what the chat
     template puts after an assistant message (``after_eos``: the turn ended with the
     model's EOS, which the template writes itself and is dropped from the text), then the
     messages and the generation prompt of the next assistant turn. Only these are ever
-    tokenized: the model's own tokens stay as it sampled them."""
+    tokenized: the model's own tokens stay as it sampled them. ``template_kwargs``: the
+    template's own options (a gateway call's ``chat_template_kwargs``)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateMissing(
             "rollout.multi_turn needs a model whose tokenizer has a chat template (tool "
             "answers go back as tool messages)"
         )
     chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}, *messages]
-    rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+    )
     after = rendered[rendered.index(_MARK) + len(_MARK) :]
     eos = tokenizer.eos_token or ""
     at = after.find(eos) if eos and after_eos else -1

@@ -218,6 +218,9 @@ class VLLMEngine:
     def decode(self, ids: np.ndarray) -> str:
         return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
 
+    def _decode_list(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     # --- generation ---------------------------------------------------------------------
     @property
     def in_flight(self) -> int:
@@ -270,7 +273,12 @@ class VLLMEngine:
                 for tok, lp in zip(completion.token_ids, completion.logprobs, strict=True)
             ]
             response.versions += [self.version] * len(completion.token_ids)
-            if out.finished:
+            finished = out.finished
+            if response.stop_texts and response.stop_at_text(self._decode_list):
+                if not finished:  # a gateway call's stop string ended the turn
+                    self._engine_call(self.llm.abort_request, [out.request_id])
+                finished = True
+            if finished:
                 response.request_id = None
                 del self.running[out.request_id]
                 response.end_turn(self.cfg.response_length, bool(self.turn_ends))
@@ -322,6 +330,8 @@ class VLLMEngine:
         params = self.sampling.clone()
         width = self.cfg.response_length
         params.max_tokens = min(width, response.limit or width) - len(response.tokens)
+        if response.stop_ids is not None:  # a gateway call's own (parallel tool calls)
+            params.stop_token_ids = sorted(response.stop_ids)
         if group.temperature is not None:
             params.temperature = group.temperature
         request_id = f"r{next(self._ids)}"

@@ -137,7 +137,9 @@ class StepLog:
         the share that called a tool at all); multi-turn: the rollout ranks' tool calls so
         far in this attempt (calls, failures, timeouts, seconds, and the share of
         trajectory time spent waiting for tools); agents: the means of the numbers they
-        returned beside their rewards (``agent/NAME``, over the groups that have it)."""
+        returned beside their rewards (``agent/NAME``, over the groups that have it), and
+        the gateway's counts over the step's groups (``gateway/overridden/FIELD``: calls whose
+        sampling field was replaced by the run's; ``gateway/failed_sessions``)."""
         agent = bool(self.cfg.data.agent)
         if not (self.cfg.rollout.multi_turn.enable or agent):
             return {}
@@ -158,7 +160,10 @@ class StepLog:
         if agent:
             for name in sorted({k for g in batch.groups for k in g.agent_extra}):
                 values = [g.agent_extra[name] for g in batch.groups if name in g.agent_extra]
-                out[f"agent/{name}"] = float(np.mean(values))
+                if name.startswith("gateway/"):  # the gateway's counts of the step's calls
+                    out[name] = float(np.sum(values))
+                else:
+                    out[f"agent/{name}"] = float(np.mean(values))
             return out
         total = {k: sum(t[k] for t in self.tools.values()) for k in ("tool_calls", "tool_errors",
                  "tool_timeouts", "tool_s", "tool_wait_s", "trajectory_s")}  # fmt: skip

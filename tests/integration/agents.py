@@ -57,7 +57,7 @@ def _starting_over(client, row):
     the conversation, so every such session is two sequences."""
     if starts_over(row):
         client.chat.completions.create(model="policy", messages=list(row.messages),
-                                       tools=[LOOKUP])  # fmt: skip
+                                       tools=[LOOKUP], parallel_tool_calls=False)  # fmt: skip
     return lookup(client, row)
 
 

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
-import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -27,12 +24,13 @@ import torch
 from hpc_asyncppo.config import DataConfig, ModelConfig, RolloutConfig, TinyModelConfig
 from hpc_asyncppo.models.tiny import build_tiny_model
 from hpc_asyncppo.rollout.gateway.addresses import make_token, read_addresses
+from hpc_asyncppo.rollout.gateway.requests import Fields
 from hpc_asyncppo.rollout.gateway.server import Gateway, make_app
 from hpc_asyncppo.rollout.gateway.sessions import Sessions
 from hpc_asyncppo.rollout.hf_engine import HFEngine
-from hpc_asyncppo.tasks import Prompt
 from hpc_asyncppo.tasks.tool_lookup import CALL, CHAT_TEMPLATE, ToolLookupTask
 from tests.harness import HANG_S
+from tests.rollout.gateway_loop import Loop, bigram
 
 WIDTH = 12
 LOOKUP = {
@@ -43,87 +41,6 @@ LOOKUP = {
         "parameters": {"type": "object", "properties": {}},
     },
 }
-
-
-def bigram(model_dir: Path, next_word: dict[str, str], default: str = "<eos>") -> None:
-    """Make the tiny Llama a machine whose next token depends only on the current one:
-    the layers' outputs zeroed (the residual stream is the token's embedding, one-hot),
-    the LM head mapping each word to ``next_word``'s (``default`` otherwise), logits 40
-    apart: sampling at temperature 1 picks it with probability 1 - 1e-16."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = LlamaForCausalLM.from_pretrained(model_dir)
-    vocab = tokenizer.get_vocab()
-    hidden = model.config.hidden_size
-    assert len(vocab) <= hidden
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.embed_tokens.weight.zero_()
-        model.lm_head.weight.zero_()
-        model.model.norm.weight.fill_(1.0)
-        for word, i in vocab.items():
-            model.model.embed_tokens.weight[i, i] = 1.0
-            target = vocab[next_word.get(word, default)]
-            model.lm_head.weight[target, i] = 40.0 / hidden**0.5
-    model.save_pretrained(model_dir)
-
-
-class Loop(threading.Thread):
-    """The rollout rank's loop, as far as sessions go (``Rollouter.step_and_send``): groups
-    opened, ``Sessions.step`` (the engine stepped between the sessions' calls), the groups
-    whose sessions ended scored."""
-
-    def __init__(self, engine: HFEngine, sessions: Sessions):
-        super().__init__(daemon=True)
-        self.engine, self.sessions = engine, sessions
-        self.opening: queue.Queue = queue.Queue()
-        self.done: dict = {}
-        self.halt = False
-
-    def open(self, key, n: int, prompt: Prompt, recorded=None) -> list[str]:
-        self.opening.put((key, n, prompt, recorded))
-        deadline = time.monotonic() + HANG_S
-        while not self.sessions.live(key) and key not in self.done:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        return [f"s1-e0-p{prompt.index}-r{j}" for j in range(n)]
-
-    def run(self) -> None:
-        while not self.halt:
-            while not self.opening.empty():
-                key, n, prompt, recorded = self.opening.get()
-                if callable(key):  # ``cut``: done here, between two steps
-                    key(n)
-                    continue
-                self.sessions.open_group(key, f"s1-e0-p{prompt.index}", prompt, n, recorded)
-            for key, gen in self.sessions.step(self.engine, self.engine.step):
-                self.done[key] = (gen, *self.sessions.finish(key))
-
-    def cut(self, key):
-        """The group as a checkpoint cuts it (its tokens so far), and gone from this rank
-        as after a stop."""
-        done: queue.Queue = queue.Queue()
-
-        def cut_here(_):
-            if key in self.engine.groups:
-                done.put(self.engine.groups.pop(key).partial(WIDTH, self.engine.pad_id))
-            else:  # the engine finished it: its sessions' rewards are awaited
-                done.put(dict(self.sessions.unsubmitted(WIDTH, self.engine.pad_id,
-                                                        self.engine))[key])  # fmt: skip
-            self.sessions.forget(key, "the run stopped")
-
-        self.opening.put((cut_here, None, None, None))
-        return done.get(timeout=HANG_S)
-
-    def result(self, key):
-        deadline = time.monotonic() + HANG_S
-        while key not in self.done:
-            assert time.monotonic() < deadline, "the group never finished"
-            time.sleep(0.01)
-        return self.done[key]
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +57,8 @@ def served(tmp_path_factory):
     sessions = Sessions(engine.tokenizer, engine.eos_id, WIDTH, 16, timeout_s=HANG_S)
     engine.turn_ends = sessions.turn_ends
     token = make_token(root)
-    app = make_app(sessions, token, "tiny", {"temperature": 1.0, "top_p": 1.0}, 4096)
+    fields = Fields({"temperature": 1.0, "top_p": 1.0}, "refuse")
+    app = make_app(sessions, token, "tiny", fields, 4096)
     gateway = Gateway(app, "127.0.0.1", 0)
     gateway.write_address(root, 0)
     loop = Loop(engine, sessions)
@@ -187,7 +105,9 @@ def test_a_sync_client_calls_the_tool_and_the_trained_tokens_are_the_conversatio
     for j, sid in enumerate(ids):
         c = client(served, sid)
         messages = [{"role": "user", "content": first}]
-        answer = c.chat.completions.create(model="tiny", messages=messages, tools=[LOOKUP])
+        answer = c.chat.completions.create(
+            model="tiny", messages=messages, tools=[LOOKUP], parallel_tool_calls=False
+        )
         choice = answer.choices[0]
         assert choice.finish_reason == "tool_calls"
         [call] = choice.message.tool_calls
@@ -204,7 +124,9 @@ def test_a_sync_client_calls_the_tool_and_the_trained_tokens_are_the_conversatio
             choice.message.model_dump(exclude_none=True),
             {"role": "tool", "tool_call_id": call.id, "content": prompt.ground_truth},
         ]
-        answer = c.chat.completions.create(model="tiny", messages=messages, tools=[LOOKUP])
+        answer = c.chat.completions.create(
+            model="tiny", messages=messages, tools=[LOOKUP], parallel_tool_calls=False
+        )
         choice = answer.choices[0]
         assert choice.finish_reason == "stop" and not choice.message.tool_calls
         eos = served["engine"].eos_id
@@ -237,12 +159,12 @@ def test_async_and_streaming_clients_get_the_same_answers(served):
                                       api_key=served["token"], max_retries=0) as c:  # fmt: skip
             messages = [{"role": "user", "content": prompt.text}]
             answer = await c.chat.completions.create(model="tiny", messages=messages,
-                                                     tools=[LOOKUP])  # fmt: skip
+                                                     tools=[LOOKUP], parallel_tool_calls=False)  # fmt: skip
             return answer.choices[0]
 
     plain = asyncio.run(agent(ids[0]))
     stream = client(served, ids[1]).chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": prompt.text}], tools=[LOOKUP],
+        model="tiny", messages=[{"role": "user", "content": prompt.text}], tools=[LOOKUP], parallel_tool_calls=False,
         stream=True,
     )  # fmt: skip
     chunks = list(stream)
@@ -282,6 +204,8 @@ def test_without_the_token_every_request_gets_401_and_nothing_happens(served):
 
 
 def test_bad_requests_get_openai_errors_and_change_nothing(served):
+    """(The fixture's run refuses sampling fields other than its own:
+    gateway.sampling=refuse.)"""
     prompt = served["task"].prompts()[3]
     key = ("bad", 3)
     [sid] = served["loop"].open(key, 1, prompt)
@@ -289,7 +213,8 @@ def test_bad_requests_get_openai_errors_and_change_nothing(served):
     user = [{"role": "user", "content": prompt.text}]
     cases = [
         (b"{not json", 400, None),
-        ({"model": "tiny", "messages": user, "frobnicate": 1}, 400, "frobnicate"),
+        ({"model": "tiny", "messages": user, "temperature": "0.7"}, 400, "temperature"),
+        ({"model": "tiny", "messages": user, "stop": 3}, 400, "stop"),
         ({"model": "tiny", "messages": []}, 400, "messages"),
         ({"model": "tiny", "messages": user, "temperature": 0.3}, 400, "temperature"),
         ({"model": "tiny", "messages": user, "n": 2}, 400, "n"),
@@ -310,14 +235,26 @@ def test_bad_requests_get_openai_errors_and_change_nothing(served):
     assert key not in served["engine"].groups  # no bad call reached the engine
     # a good call, then one that would start a new sequence with a prompt too long:
     # refused, the session goes on in its sequence
-    good = post(served, path, {"model": "tiny", "messages": user, "tools": [LOOKUP]})
+    good = post(
+        served,
+        path,
+        {"model": "tiny", "messages": user, "tools": [LOOKUP], "parallel_tool_calls": False},
+    )
     assert good.status_code == 200
     message = good.json()["choices"][0]["message"]
     rewritten = [{"role": "user", "content": "= " * 40}, message, {"role": "tool", "content": "1"}]
-    r = post(served, path, {"model": "tiny", "messages": rewritten, "tools": [LOOKUP]})
+    r = post(
+        served,
+        path,
+        {"model": "tiny", "messages": rewritten, "tools": [LOOKUP], "parallel_tool_calls": False},
+    )
     assert r.status_code == 400 and "data.max_prompt_length" in r.json()["error"]["message"]
     later = [*user, message, {"role": "tool", "content": "1"}]
-    r = post(served, path, {"model": "tiny", "messages": later, "tools": [LOOKUP]})
+    r = post(
+        served,
+        path,
+        {"model": "tiny", "messages": later, "tools": [LOOKUP], "parallel_tool_calls": False},
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
     served["sessions"].end(sid, 1.0).result(timeout=HANG_S)
     gen, rewards, dropped, *_ = served["loop"].result(key)
@@ -347,16 +284,22 @@ def test_a_call_that_does_not_extend_goes_on_in_a_new_sequence_trained_with_the_
         """Agent a: the call, then the rewritten history, the tool's answer, the end."""
         c = client(served, sid)
         one = [{"role": "user", "content": first}]
-        answer = c.chat.completions.create(model="tiny", messages=one, tools=[LOOKUP])
+        answer = c.chat.completions.create(
+            model="tiny", messages=one, tools=[LOOKUP], parallel_tool_calls=False
+        )
         call = answer.choices[0].message.model_dump(exclude_none=True)
         two = [{"role": "user", "content": short}]  # the history summarised
-        branched = c.chat.completions.create(model="tiny", messages=two, tools=[LOOKUP])
+        branched = c.chat.completions.create(
+            model="tiny", messages=two, tools=[LOOKUP], parallel_tool_calls=False
+        )
         assert branched.choices[0].finish_reason == "tool_calls"
         assert branched.model_extra["prompt_token_ids"] == engine.encode(short)
         message = branched.choices[0].message.model_dump(exclude_none=True)
         two += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"],
                           "content": "1"}]  # fmt: skip
-        last = c.chat.completions.create(model="tiny", messages=two, tools=[LOOKUP])
+        last = c.chat.completions.create(
+            model="tiny", messages=two, tools=[LOOKUP], parallel_tool_calls=False
+        )
         assert last.choices[0].finish_reason == "stop"
         return [answer, branched, last], one + [call], two
 
@@ -365,14 +308,19 @@ def test_a_call_that_does_not_extend_goes_on_in_a_new_sequence_trained_with_the_
     sessions.max_sequences = 2
     try:
         answers, one, two = run_a(a)
-        # a third sequence: refused, and a's second goes on
+        # a third sequence: no room for it, answered with no turn ("length"); nothing
+        # changes, a's second sequence stays as it was
         r = post(served, f"/sessions/{a}/v1/chat/completions",
-                 {"model": "tiny", "messages": one, "tools": [LOOKUP]})  # fmt: skip
-        assert r.status_code == 400 and "gateway.max_sequences=2" in r.json()["error"]["message"]
+                 {"model": "tiny", "messages": one, "tools": [LOOKUP],
+                  "parallel_tool_calls": False})  # fmt: skip
+        assert r.status_code == 200
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "length" and choice["token_ids"] == []
+        assert choice["message"]["content"] is None
     finally:
-        sessions.max_sequences = 4
+        sessions.max_sequences = 32
     client(served, b).chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": first}], tools=[LOOKUP])  # fmt: skip
+        model="tiny", messages=[{"role": "user", "content": first}], tools=[LOOKUP], parallel_tool_calls=False)  # fmt: skip
     sessions.end(a, 1.0).result(timeout=HANG_S)
     sessions.end(b, 0.0).result(timeout=HANG_S)
     gen, rewards, dropped, prompt_ids, _ = loop.result(key)
@@ -406,8 +354,12 @@ def test_a_call_that_does_not_extend_goes_on_in_a_new_sequence_trained_with_the_
     key = ("branch-before", 5)
     a, b = loop.open(key, 2, prompt)
     c = client(served, a)
-    c.chat.completions.create(model="tiny", messages=one[:1], tools=[LOOKUP])
-    c.chat.completions.create(model="tiny", messages=two[:1], tools=[LOOKUP])
+    c.chat.completions.create(
+        model="tiny", messages=one[:1], tools=[LOOKUP], parallel_tool_calls=False
+    )
+    c.chat.completions.create(
+        model="tiny", messages=two[:1], tools=[LOOKUP], parallel_tool_calls=False
+    )
     cut = CutGroups([(0, 5, 3, loop.cut(key))])
     again = CutGroups()
     again.load_state_dict(cut.state_dict())
@@ -565,14 +517,18 @@ def test_a_resumed_session_is_answered_from_its_recording_until_its_calls_go_pas
     messages = [{"role": "user", "content": first}]
     sid, other = loop.open(("before", 3), 2, prompt)
     c = client(served, sid)
-    before = c.chat.completions.create(model="tiny", messages=messages, tools=[LOOKUP])
+    before = c.chat.completions.create(
+        model="tiny", messages=messages, tools=[LOOKUP], parallel_tool_calls=False
+    )
     recorded = loop.cut(("before", 3))  # the stop: sid waits for its agent's next call
     assert recorded.sofar.response_lengths.tolist() == [2, 0]
     replayed, discarded = sessions.replayed_calls, sessions.discarded_tokens
     try:
         engine.version = 4
         assert loop.open(("resumed", 3), 2, prompt, recorded) == [sid, other]  # same ids
-        again = c.chat.completions.create(model="tiny", messages=messages, tools=[LOOKUP])
+        again = c.chat.completions.create(
+            model="tiny", messages=messages, tools=[LOOKUP], parallel_tool_calls=False
+        )
         assert again.choices[0].model_extra == before.choices[0].model_extra  # ids, log-probs
         assert again.choices[0].model_extra["token_versions"] == [3, 3]  # and v3: replayed
         assert again.choices[0].message == before.choices[0].message
@@ -580,10 +536,12 @@ def test_a_resumed_session_is_answered_from_its_recording_until_its_calls_go_pas
         call = again.choices[0].message
         messages += [call.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": "1"}]  # fmt: skip
-        past = c.chat.completions.create(model="tiny", messages=messages, tools=[LOOKUP])
+        past = c.chat.completions.create(
+            model="tiny", messages=messages, tools=[LOOKUP], parallel_tool_calls=False
+        )
         assert past.choices[0].model_extra["token_versions"] == [4]  # generated: EOS
         fresh = client(served, other).chat.completions.create(
-            model="tiny", messages=messages[:1], tools=[LOOKUP])  # fmt: skip
+            model="tiny", messages=messages[:1], tools=[LOOKUP], parallel_tool_calls=False)  # fmt: skip
         assert fresh.choices[0].model_extra["token_versions"] == [4, 4]
         for s in (sid, other):
             sessions.end(s, 1.0).result(timeout=HANG_S)
@@ -592,7 +550,7 @@ def test_a_resumed_session_is_answered_from_its_recording_until_its_calls_go_pas
         # the same recording, and a first call that renders another prompt
         [sid, other] = loop.open(("differs", 3), 2, prompt, recorded)
         answer = client(served, sid).chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "question ="}], tools=[LOOKUP])  # fmt: skip
+            model="tiny", messages=[{"role": "user", "content": "question ="}], tools=[LOOKUP], parallel_tool_calls=False)  # fmt: skip
         assert answer.choices[0].model_extra["token_versions"] == [4, 4]
         assert sessions.replayed_calls == replayed + 1
         assert sessions.discarded_tokens == discarded + 2
@@ -608,7 +566,7 @@ def test_a_claim_with_every_session_taken_gets_429_with_the_count(served):
 
     engine = served["engine"]
     sessions = Sessions(engine.tokenizer, engine.eos_id, WIDTH, 16, timeout_s=HANG_S)
-    app = make_app(sessions, "t", "tiny", {}, 4096, claim_wait_s=30.0)
+    app = make_app(sessions, "t", "tiny", Fields({}), 4096, claim_wait_s=30.0)
     auth = {"Authorization": "Bearer t"}
     r = TestClient(app).post("/v1/sessions", json={"wait_s": 0}, headers=auth)
     assert r.status_code == 429 and "0 sessions in flight" in r.json()["error"]["message"]
@@ -628,8 +586,10 @@ def test_a_turn_that_fills_the_room_is_answered_and_the_group_waits_for_the_rewa
     choice = answer.choices[0]
     assert choice.finish_reason == "length" and choice.text.split() == ["question"] * WIDTH
     assert key not in served["loop"].done  # held: the agent has not ended its session
-    with pytest.raises(openai.BadRequestError, match="no room left"):
-        c.completions.create(model="tiny", prompt="question" + choice.text + " 1")
+    # a call after it: the session's room is used up, so its turn ends before it starts
+    full = c.completions.create(model="tiny", prompt="question" + choice.text + " 1")
+    assert full.choices[0].finish_reason == "length" and full.choices[0].text == ""
+    assert full.choices[0].model_extra["token_ids"] == []
     served["sessions"].end(sid, 0.25).result(timeout=HANG_S)
     gen, rewards, dropped, *_ = served["loop"].result(key)
     assert rewards == [0.25] and dropped == "" and gen.response_lengths.tolist() == [WIDTH]

@@ -32,81 +32,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpc_asyncppo.rollout.gateway.requests import Call, RequestError
 from hpc_asyncppo.rollout.turns import messages_after_turn
-from hpc_asyncppo.tools.hermes import BLOCK, parse_tool_calls
+from hpc_asyncppo.tools.tool_parsers import PARSERS, ToolParser
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
 OBSERVED_ROLES = ("user", "tool", "system", "developer")  # what may follow the model's turn
-
-
-class RequestError(Exception):
-    """A request the gateway refuses: its HTTP status and OpenAI's error fields."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = ""):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.status}}  # fmt: skip
 
 
 class NotExtending(RequestError):
     """A call whose messages do not extend the session's conversation: a new sequence."""
-
-
-def _text(content: Any, where: str) -> str:
-    """A message's content as text: a string, None, or OpenAI's list of text parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"):
-                raise RequestError(400, f"{where}: only text content parts are supported")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
-    raise RequestError(400, f"{where}: content must be a string or a list of text parts")
-
-
-def normalize(messages: Any) -> list[dict[str, Any]]:
-    """OpenAI's messages, as the gateway compares and renders them: role, content text,
-    and where present tool_calls (id, name, arguments as parsed JSON), tool_call_id and
-    name. Fields a client sends as null (refusal, audio, ...) are dropped; RequestError
-    (400) names what cannot be read."""
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(400, "messages must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise RequestError(400, f"{where}: a message needs a role, one of {', '.join(ROLES)}",
-                               "messages")  # fmt: skip
-        msg: dict[str, Any] = {"role": m["role"], "content": _text(m.get("content"), where)}
-        calls = m.get("tool_calls") or []
-        if calls:
-            if m["role"] != "assistant" or not isinstance(calls, list):
-                raise RequestError(400, f"{where}: tool_calls belong to assistant messages")
-            msg["tool_calls"] = [_call(c, f"{where}.tool_calls[{k}]") for k, c in enumerate(calls)]
-        for key in ("tool_call_id", "name"):
-            if m.get(key) is not None:
-                msg[key] = str(m[key])
-        out.append(msg)
-    return out
-
-
-def _call(call: Any, where: str) -> dict[str, Any]:
-    try:
-        function = call["function"]
-        arguments = function.get("arguments") or "{}"
-        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
-        return {"id": str(call.get("id", "")), "name": str(function["name"]), "arguments": parsed}
-    except (KeyError, TypeError, AttributeError, json.JSONDecodeError):
-        raise RequestError(400, f"{where}: a tool call is {{id, type, function: {{name, "
-                           "arguments}}}} with arguments a JSON object") from None  # fmt: skip
 
 
 def for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -144,37 +78,46 @@ class Answer:
     message: dict[str, Any]  # normalized (what the next call must repeat)
     text: str  # the turn's text (completions: the completion)
     finish_reason: str  # stop | length | tool_calls
+    reasoning: str = ""  # the turn's <think> text (returned as reasoning_content)
+    stop_sequence: str | None = None  # the call's stop string the turn ended at
 
 
 @dataclass
 class Conversation:
     """One session's sequence: the messages so far (the model's answers as returned), or
-    for completions the text so far. ``tokenizer``: the model's (its chat template)."""
+    for completions the text so far. ``tokenizer``: the model's (its chat template);
+    ``parser``: how the model writes tool calls (``gateway.tool_parser``)."""
 
     tokenizer: Any
     session: str
+    parser: ToolParser = PARSERS["hermes"]
     messages: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
     text: str | None = None  # completions: the prompt and completions so far
     turns: int = 0
 
     # --- a call in --------------------------------------------------------------------------
-    def first(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+    def first(self, messages: list[dict[str, Any]], tools: list[dict] | None,
+              template_kwargs: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
         """The first call: its prompt tokens (messages and tools through the template)."""
         self.messages, self.tools = list(messages), tools
+        self.template_kwargs = dict(template_kwargs or {})
         extra = {"tools": tools} if tools else {}
         try:
             ids = self.tokenizer.apply_chat_template(
-                for_template(messages), add_generation_prompt=True, tokenize=True, **extra
-            )
+                for_template(messages), add_generation_prompt=True, tokenize=True, **extra,
+                **self.template_kwargs,
+            )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - the template's own complaint, as a 400
             raise RequestError(400, f"the model's chat template cannot render these messages: "
                                f"{exc}", "messages") from None  # fmt: skip
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def extend(
-        self, messages: list[dict[str, Any]], tools: list[dict] | None, after_eos: bool
-    ) -> list[int]:
+        self, messages: list[dict[str, Any]], tools: list[dict] | None, after_eos: bool,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:  # fmt: skip
         """A later call: the observation tokens of the messages it appends. RequestError
         (400) when it does not extend the conversation."""
         known = len(self.messages)
@@ -182,6 +125,8 @@ class Conversation:
             raise RequestError(400, f"session {self.session} is a completions session")
         if (tools or None) != (self.tools or None):
             raise NotExtending(400, self._not_extending("its tools differ from the first call's"))
+        if dict(template_kwargs or {}) != self.template_kwargs:
+            raise NotExtending(400, self._not_extending("its chat_template_kwargs differ"))
         if messages[:known] != self.messages:
             pairs = zip(messages, self.messages, strict=False)
             at = next((i for i, (a, b) in enumerate(pairs) if a != b), len(messages))
@@ -194,7 +139,8 @@ class Conversation:
             raise NotExtending(400, self._not_extending("an assistant message the model did "
                                                         "not write"))  # fmt: skip
         self.messages = list(messages)
-        return messages_after_turn(self.tokenizer, for_template(appended), after_eos)
+        return messages_after_turn(self.tokenizer, for_template(appended), after_eos,
+                                   self.template_kwargs)  # fmt: skip
 
     def first_text(self, prompt: str) -> list[int]:
         self.text = prompt
@@ -217,27 +163,52 @@ class Conversation:
         return f"this call does not extend session {self.session}'s conversation ({why})"
 
     # --- the model's turn out -----------------------------------------------------------------
-    def answer(self, tokens: list[int], cut: bool, room_left: bool) -> Answer:
-        """The model's turn (its sampled ``tokens``) as an answer; the conversation takes
-        it. ``cut``: the turn stopped at rollout.response_length before its end;
-        ``room_left``: more tokens fit after it. A tool call with no room left for its
-        answer (cut, or ending exactly at the room's end) is shown, with "length"."""
+    def answer(self, tokens: list[int], cut: bool, room_left: bool,
+               call: Call | None = None) -> Answer:  # fmt: skip
+        """The model's turn (its ``tokens``: sampled, after any opening the gateway put at
+        its start) as an answer; the conversation takes it. ``cut``: the turn stopped at
+        the room's end or the call's ``max_tokens``; ``room_left``: more tokens fit after
+        it. The call's stop strings cut the text at the first (the engine ended the turn
+        at the token that completed it); ``<think>`` text is the answer's reasoning; tool
+        calls are read in the parser's format unless ``tool_choice`` is none. A tool call
+        with no room left for its answer (cut, or ending exactly at the room's end) is
+        shown, with "length"."""
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        stop_sequence = None
+        if call is not None and call.stop:
+            hits = [(text.find(s), s) for s in call.stop if s in text]
+            if hits:
+                at, stop_sequence = min(hits)
+                text = text[: at + (len(stop_sequence) if call.include_stop else 0)]
+                cut = False
         self.turns += 1
+        finish = "length" if cut else "stop"
         if self.text is not None:
             self.text += text
-            return Answer({"role": "assistant", "content": text}, text,
-                          "length" if cut else "stop")  # fmt: skip
-        parsed = parse_tool_calls(text) if self.tools else None
-        message: dict[str, Any] = {"role": "assistant", "content": text.strip()}
-        finish = "length" if cut else "stop"
-        if parsed is not None and parsed.calls:
-            message["content"] = BLOCK.sub("", text).strip()
+            return Answer({"role": "assistant", "content": text}, text, finish,
+                          stop_sequence=stop_sequence)  # fmt: skip
+        reasoning, said = split_reasoning(text)
+        content, calls = said.strip(), []
+        if self.tools and (call is None or call.tool_choice != "none"):
+            content, calls = self.parser.parse(said)
+            if call is not None and not call.parallel_tool_calls:
+                calls = calls[:1]
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
             message["tool_calls"] = [
                 {"id": f"call_{self.session}_{self.turns}_{k}", "name": c.name,
                  "arguments": c.arguments}
-                for k, c in enumerate(parsed.calls)
+                for k, c in enumerate(calls)
             ]  # fmt: skip
-            finish = "tool_calls" if room_left else "length"
+            finish = "tool_calls" if room_left and not cut else "length"
         self.messages.append(message)
-        return Answer(message, text, finish)
+        return Answer(message, text, finish, reasoning.strip(), stop_sequence)
+
+
+def split_reasoning(text: str) -> tuple[str, str]:
+    """A turn's reasoning (``<think>...</think>``, or up to ``</think>`` where the chat
+    template opened the block itself) and the rest."""
+    if "</think>" not in text:
+        return "", text
+    thought, _, rest = text.partition("</think>")
+    return thought.replace("<think>", "", 1), rest

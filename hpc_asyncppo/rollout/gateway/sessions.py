@@ -64,19 +64,27 @@ from typing import Any
 import numpy as np
 
 from hpc_asyncppo.config import MultiTurnConfig
-from hpc_asyncppo.rollout.gateway.chat import Answer, Conversation, NotExtending, RequestError
+from hpc_asyncppo.rollout.gateway.chat import Answer, Conversation, NotExtending
+from hpc_asyncppo.rollout.gateway.requests import Call, RequestError
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup, Response, ResponseGroup
 from hpc_asyncppo.rollout.turns import call_end_ids
 from hpc_asyncppo.tasks import Prompt
+from hpc_asyncppo.tools.tool_parsers import PARSERS, ToolParser
 
 log = logging.getLogger(__name__)
+
+
+class AgentError(RuntimeError):
+    """The agent fails every session (``Sessions.broken``): the run stops, naming its error;
+    the job does not restart for it (``launch/job_restarts.py``: the input is wrong)."""
 
 
 @dataclass
 class Result:
     """A call's answer and its exact tokens: the context the model saw (the sequence's
-    prompt and every token after it), what it sampled, the log-probs and the weights
-    version of each sampled token."""
+    prompt and every token after it), the turn's tokens (what the model sampled, after any
+    opening the gateway put at its start: log-prob 0, version -1), their log-probs and the
+    weights version of each; the call it answers."""
 
     session: str
     answer: Answer
@@ -84,6 +92,7 @@ class Result:
     token_ids: list[int]
     log_probs: list[float]
     versions: list[int]
+    call: Call | None = None
 
 
 @dataclass
@@ -95,14 +104,16 @@ class Session:
     conversation: Conversation
     started: float | None = None  # when its agent took it (gateway.agent_timeout_s from then)
     opened: bool = False  # its first call reached the engine
-    call: tuple[str, dict, Future] | None = None  # the call the engine is answering
+    call: tuple[Call, Future] | None = None  # the call the engine is answering
+    retries: list[Future] = field(default_factory=list)  # the same call again, meanwhile
+    last: tuple[Call, Result] | None = None  # the call answered last (a retry gets it again)
     turn_start: int = 0  # where the model's current turn starts in the response
     answered: float | None = None  # when its last call was answered (its agent's turn now)
     calls: int = 0
     reward: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    overridden: dict[str, int] = field(default_factory=dict)  # its calls' sampling fields
     failure: str | None = None
-    dragged: bool = False  # failed with another session of its group
     # resumed from a checkpoint: its response as it was cut; the agent's calls that render
     # the same tokens are answered from it, until the first that differs
     recorded: Response | None = None
@@ -133,20 +144,26 @@ class Sessions:
         timeout_s: float,
         start_agent: Callable[[Session], None] | None = None,
         gather_s: float = 0.0,
-        max_sequences: int = 4,
+        max_sequences: int = 32,
+        parser: ToolParser = PARSERS["hermes"],
+        on_failure: str = "drop",
+        failure_reward: float = 0.0,
     ):
         """``width``: rollout.response_length (the model's and the observations' tokens
         together). ``start_agent``: runs ``data.agent`` for a new session (``agents.py``);
         None: external agents drive the sessions. ``gather_s``: how long the engine waits
         for the next calls of sessions just answered before it generates for those that
         came (the hf engine generates a whole turn per step: a turn started alone is a
-        batch of one; vLLM adds requests at every decoding step: 0). ``max_sequences``:
-        gateway.max_sequences."""
-        self.gather_s, self.max_sequences = gather_s, max_sequences
+        batch of one; vLLM adds requests at every decoding step: 0). ``max_sequences``,
+        ``parser``, ``on_failure``, ``failure_reward``: gateway.max_sequences,
+        gateway.tool_parser's, gateway.on_session_failure, gateway.failure_reward."""
+        self.gather_s, self.max_sequences, self.parser = gather_s, max_sequences, parser
+        self.on_failure, self.failure_reward = on_failure, failure_reward
         self.tokenizer, self.eos_id, self.width = tokenizer, eos_id, width
         self.max_prompt_length, self.timeout_s = max_prompt_length, timeout_s
         self.start_agent = start_agent
-        self.turn_ends = frozenset({eos_id, *call_end_ids(tokenizer, MultiTurnConfig())})
+        self.call_ends = frozenset(call_end_ids(tokenizer, MultiTurnConfig()))
+        self.turn_ends = frozenset({eos_id, *self.call_ends})
         self.lock = threading.Lock()
         self.inbox: deque[tuple[str, str, Any, Future]] = deque()  # from other threads
         self.by_id: dict[str, Session] = {}
@@ -159,15 +176,24 @@ class Sessions:
         self.reopened: dict[Hashable, int] = {}  # groups in flight opened more than once
         self.temperatures: dict[Hashable, float] = {}  # groups not at the run's temperature
         self.recorded_prompts: dict[Hashable, list[int]] = {}  # resumed groups' prompts
+        # groups submitted with a stand-in prompt (a session failed before any called)
+        self.placeholders: set[Hashable] = set()
         self.replayed_calls = 0  # answered from a cut session's recording
         self.replayed_tokens = 0  # the model's tokens those answers kept
         self.discarded_tokens = 0  # recorded tokens after the first call that differed
+        self.retried_calls = 0  # a call the same as the one before: answered with its turn
+        self.overridden: dict[str, int] = {}  # calls whose sampling field was replaced
+        # the agents' failures (``broken``): in a row, and the last sessions' outcomes
+        self.failed_in_row, self.last_failure = 0, ""
+        self.outcomes: deque[bool] = deque(maxlen=256)  # True: failed
 
     # --- other threads: the server and the agents -----------------------------------------
-    def post(self, session_id: str, kind: str, body: dict[str, Any]) -> Future:
-        """A call (``kind``: chat or completion) for the rank's loop; its Future gets a
-        ``Result`` or a ``RequestError``."""
-        return self._put("call", session_id, (kind, body))
+    def post(self, session_id: str, call: Call) -> Future:
+        """A call for the rank's loop; its Future gets a ``Result`` or a ``RequestError``."""
+        return self._put("call", session_id, call)
+
+    def conversation(self, session_id: str) -> Conversation:
+        return Conversation(self.tokenizer, session_id, self.parser)
 
     def end(self, session_id: str, reward: Any) -> Future:
         """The agent's end of a session: a reward (a number, or a dict with ``reward``
@@ -206,7 +232,7 @@ class Sessions:
         again = self.reopened[key] = self.reopened.get(key, -1) + 1
         group = [
             Session(f"{uid_prefix}-r{j}" + (f".{again}" if again else ""), key, j, prompt,
-                    Conversation(self.tokenizer, f"{uid_prefix}-r{j}"))
+                    self.conversation(f"{uid_prefix}-r{j}"))
             for j in range(n)
         ]  # fmt: skip
         if recorded is not None and recorded.sofar.response_lengths.any():
@@ -284,7 +310,7 @@ class Sessions:
                 continue
             try:
                 if what == "call":
-                    self._call(engine, s, *payload, future)
+                    self._call(engine, s, payload, future)
                 else:
                     self._end(engine, s, payload)
                     future.set_result(None)
@@ -339,12 +365,21 @@ class Sessions:
             return None
         return engine.groups[s.key].responses[s.row]
 
-    def _call(self, engine: Any, s: Session, kind: str, body: dict, future: Future) -> None:
+    def _call(self, engine: Any, s: Session, call: Call, future: Future) -> None:
         if s.call is not None:
+            if s.call[0].same_request(call):  # the client retried while the turn runs
+                s.retries.append(future)
+                self.retried_calls += 1
+                return
             raise RequestError(409, f"session {s.id} has a call running: one at a time")
-        observed = None
+        if s.last is not None and s.last[0].same_request(call):  # a retry after the answer
+            self.retried_calls += 1
+            future.set_result(s.last[1])
+            return
+        for name in call.overridden:
+            s.overridden[name] = s.overridden.get(name, 0) + 1
         if not s.opened:
-            r = self._open(engine, s, kind, body)
+            r = self._open(engine, s, call)
         else:
             r = self._response(engine, s)
             full = r is None or r.finished
@@ -352,40 +387,75 @@ class Sessions:
             # a sequence with no room left takes no observation: tried on a copy
             conversation = copy.copy(s.conversation) if full else s.conversation
             try:
-                if kind == "chat":
-                    ids = conversation.extend(body["messages"], body.get("tools"), after_eos)
+                if call.kind == "chat":
+                    ids = conversation.extend(call.messages, call.tools, after_eos,
+                                              call.chat_template_kwargs)  # fmt: skip
                 else:
-                    ids = conversation.extend_text(body["prompt"])
+                    ids = conversation.extend_text(call.prompt)
             except NotExtending:
-                r = self._new_sequence(engine, s, kind, body)
+                r = self._new_sequence(engine, s, call)
             else:
-                if full:
-                    raise RequestError(400, f"session {s.id} has no room left in "
-                                       f"rollout.response_length={self.width}: end it, or "
-                                       "start a new sequence")  # fmt: skip
-                room = self.width - len(r.tokens)
-                observed = ids[:room]
-                r.observe(observed)
-                r.waiting = False
-                if len(ids) >= room:
-                    r.finished = True
-        s.call = (kind, body, future)
+                if full:  # no room for an observation, nor for the model's turn
+                    r = None
+                else:
+                    self._observe(r, ids)
+        if r is None:  # out of room, or of sequences: the turn ends before it starts
+            self._answer_empty(engine, s, call, future)
+            return
+        s.call = (call, future)
         s.turn_start = len(r.tokens)
+        opening = self._opening(call)
+        if opening and not r.finished:
+            self._observe(r, opening)
         s.calls += 1
-        r.limit = None if body.get("max_tokens") is None else s.turn_start + body["max_tokens"]
+        r.limit = None if call.max_tokens is None else len(r.tokens) + call.max_tokens
+        r.stop_ids = frozenset({self.eos_id, *call.stop_token_ids,
+                                *(self.call_ends if not call.parallel_tool_calls else ())})  # fmt: skip
+        r.stop_texts, r.turn_start = call.stop, len(r.tokens)
+        span = r.observations[-1] if r.observations and r.observations[-1][1] == len(r.tokens) \
+            else None  # fmt: skip
         if r.finished:  # no room for the model's turn
             self._answer(engine, s, r)
-        elif s.recorded is not None and self._replay(s, r, observed):
+        elif s.recorded is not None and self._replay(s, r, span):
             self._answer(engine, s, r)
 
-    def _replay(self, s: Session, r: Response, observed: list[int] | None) -> bool:
+    def _observe(self, r: Response, ids: list[int]) -> None:
+        """Context before the model's turn (the call's messages, then any opening), as
+        one observation, cut to the room; a response with no room left after it ends."""
+        room = self.width - len(r.tokens)
+        taken = ids[:room]
+        if r.observations and r.observations[-1][1] == len(r.tokens):  # goes on the last
+            start = r.observations.pop()[0]
+            r.observe(taken)
+            r.observations[-1] = (start, len(r.tokens))
+        else:
+            r.observe(taken)
+        r.waiting = False
+        if len(ids) >= room:
+            r.finished = True
+
+    def _opening(self, call: Call) -> list[int]:
+        """What the turn starts with when the call requires a tool call (``tool_choice``
+        required, or a function's name): the parser's opening, and the name where the
+        tokenizer writes that text back exactly; context, never trained."""
+        if call.tool_choice in ("auto", "none") or not call.tools:
+            return []
+        text = self.parser.opening
+        if call.named and self.parser.name == "hermes":
+            named = f'{text}\n{{"name": "{call.tool_choice}", "arguments": '
+            ids = self.tokenizer(named, add_special_tokens=False)["input_ids"]
+            if self.tokenizer.decode(ids) == named:
+                return list(ids)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _replay(self, s: Session, r: Response, span: tuple[int, int] | None) -> bool:
         """A resumed session's call: if it brought what its recording holds at this point
         (the first call: the group's recorded prompt; a later one: the same observation
-        tokens), the model's turn that followed is taken from the recording, not
+        tokens, ``span``), the model's turn that followed is taken from the recording, not
         generated: True when that turn ended (answer it now); a turn the stop cut is
         taken as far as it went and the engine goes on from there. At the first call that
         differs the recording's rest is thrown away (``discarded_tokens``)."""
-        rec, start = s.recorded, s.turn_start - len(observed or [])
+        rec = s.recorded
         if s.sequence_prompt is None:  # the session's first sequence: the group's prompt
             prompt = self.prompts[s.key] == self.recorded_prompts.get(s.key)
         else:
@@ -393,7 +463,7 @@ class Sessions:
         same = (
             prompt
             and rec.tokens[: len(r.tokens)] == r.tokens
-            and (observed is None or (start, len(r.tokens)) in rec.observations)
+            and (span is None or span in rec.observations)
         )
         if not same:
             self._discard(s)
@@ -430,18 +500,19 @@ class Sessions:
         self.discarded_tokens += sum(len(r.tokens) for r in s.later)
         s.later = []
 
-    def _new_sequence(self, engine: Any, s: Session, kind: str, body: dict) -> Response:
+    def _new_sequence(self, engine: Any, s: Session, call: Call) -> Response | None:
         """A call that does not extend the session's conversation: the session goes on in
         a new sequence, a further response of its group whose prompt is the call rendered
-        whole. The sequence before it ends where it stands. Nothing changes when the call
-        is refused (too many sequences, a prompt too long)."""
+        whole. The sequence before it ends where it stands. None when the session has
+        ``max_sequences`` already (the call is answered with no turn, "length"); nothing
+        changes when the prompt is too long (400)."""
         if s.sequences >= self.max_sequences:
-            raise RequestError(400, f"this call does not extend session {s.id}'s conversation, "
-                               f"and it has {s.sequences} sequences: gateway.max_sequences="
-                               f"{self.max_sequences} allows no more (extend the "
-                               "conversation, or end the session)", "messages")  # fmt: skip
-        conversation = Conversation(self.tokenizer, s.conversation.session)
-        ids = self._render(conversation, kind, body)
+            log.info("session %s: a call that does not extend its conversation, and "
+                     "gateway.max_sequences=%d used: answered with finish_reason length",
+                     s.id, self.max_sequences)  # fmt: skip
+            return None
+        conversation = self.conversation(s.conversation.session)
+        ids = self._render(conversation, call)
         if s.key in self.held:  # the engine had finished the group: it takes it back
             gen = self.held.pop(s.key)
             rows = gen.response_ids.shape[0]
@@ -459,28 +530,31 @@ class Sessions:
             self._discard(s)
         return group.responses[s.row]
 
-    def _render(self, conversation: Conversation, kind: str, body: dict) -> list[int]:
+    def _render(self, conversation: Conversation, call: Call) -> list[int]:
         """A sequence's prompt: the call's messages (or text) rendered whole."""
-        if kind == "chat":
-            ids = conversation.first(body["messages"], body.get("tools"))
+        if call.kind == "chat":
+            ids = conversation.first(call.messages, call.tools, call.chat_template_kwargs)
         else:
-            ids = conversation.first_text(body["prompt"])
+            ids = conversation.first_text(call.prompt)
         if len(ids) > self.max_prompt_length:
             raise RequestError(400, f"the prompt has {len(ids)} tokens, more than "
                                f"data.max_prompt_length={self.max_prompt_length}",
-                               "messages")  # fmt: skip
+                               "messages", code="context_length_exceeded")  # fmt: skip
         return ids
 
-    def _open(self, engine: Any, s: Session, kind: str, body: dict) -> Response:
+    def _open(self, engine: Any, s: Session, call: Call) -> Response:
         """A session's first call: the group's prompt, or the same tokens as it."""
-        ids = self._render(s.conversation, kind, body)
-        if s.key not in engine.groups:
+        ids = self._render(s.conversation, call)
+        if s.key not in engine.groups and s.key not in self.held:
             group = self.groups[s.key]
             engine.submit(s.key, ids, len(group), self.temperatures.get(s.key))
             self.prompts[s.key] = list(ids)
             for other in engine.groups[s.key].responses:
                 other.waiting = True  # until its own session calls
-        elif engine.groups[s.key].prompt != ids:
+        elif s.key in self.placeholders:  # only failed sessions before: this is the prompt
+            self.placeholders.discard(s.key)
+            engine.groups[s.key].prompt = self.prompts[s.key] = list(ids)
+        elif self.prompts[s.key] != ids:
             first = next(o.id for o in self.groups[s.key] if o.opened)
             self._fail(
                 engine,
@@ -509,22 +583,45 @@ class Sessions:
         where the turn started. A turn that leaves no room (``finished``) and did not end
         with EOS (a call cut, or a call with no room for its answer), or that the call's
         ``max_tokens`` stopped (``limited``), ends with "length"."""
-        kind, body, future = s.call
+        call, future = s.call
         s.call = None
         s.answered = time.monotonic()
         turn = tokens[s.turn_start :]
         cut = (finished and not (turn and turn[-1] == self.eos_id)) or limited
-        answer = s.conversation.answer(turn, cut, room_left=not finished)
+        answer = s.conversation.answer(turn, cut, room_left=not finished, call=call)
         prompt = (s.sequence_prompt or self.prompts[s.key]) + tokens[: s.turn_start]
-        future.set_result(Result(s.id, answer, prompt, turn, log_probs[s.turn_start :],
-                                 versions[s.turn_start :]))  # fmt: skip
+        result = Result(s.id, answer, prompt, turn, log_probs[s.turn_start :],
+                        versions[s.turn_start :], call)  # fmt: skip
+        self._resolve(s, call, result, future)
+
+    def _answer_empty(self, engine: Any, s: Session, call: Call, future: Future) -> None:
+        """A call with no room left for its turn (the sequence is full, or the session has
+        no sequence left): answered with no tokens and "length"; the conversation stays
+        as it was."""
+        r = self._response(engine, s)
+        if r is not None:
+            tokens = r.tokens
+        else:  # the engine finished the group
+            gen = self.held[s.key]
+            tokens = gen.response_ids[s.row, : int(gen.response_lengths[s.row])].tolist()
+        answer = Answer({"role": "assistant", "content": ""}, "", "length")
+        prompt = (s.sequence_prompt or self.prompts[s.key]) + list(tokens)
+        s.answered = time.monotonic()
+        self._resolve(s, call, Result(s.id, answer, prompt, [], [], [], call), future)
+
+    def _resolve(self, s: Session, call: Call, result: Result, future: Future) -> None:
+        s.last = (call, result)
+        for f in [future, *s.retries]:
+            f.set_result(result)
+        s.retries = []
 
     def _end(self, engine: Any, s: Session, outcome: Any) -> None:
         if isinstance(outcome, BaseException):
-            self._fail(engine, s, f"its agent raised {type(outcome).__name__}: {outcome}")
+            self._fail(engine, s, f"its agent raised {type(outcome).__name__}: {outcome}",
+                       agent=True)  # fmt: skip
             return
         if isinstance(outcome, dict) and outcome.get("error") is not None:
-            self._fail(engine, s, f"its agent failed: {outcome['error']}")
+            self._fail(engine, s, f"its agent failed: {outcome['error']}", agent=True)
             return
         if s.call is not None:
             raise RequestError(409, f"session {s.id} has a call running: end it after the answer")
@@ -537,38 +634,59 @@ class Sessions:
         except (TypeError, ValueError):
             value = math.nan
         if not math.isfinite(value):
-            self._fail(engine, s, f"its agent returned {outcome!r}, not a finite reward")
+            self._fail(engine, s, f"its agent returned {outcome!r}, not a finite reward",
+                       agent=True)  # fmt: skip
             return
         if not s.opened:
-            self._fail(engine, s, "its agent ended it without a call")
+            self._fail(engine, s, "its agent ended it without a call", agent=True)
             return
         s.reward, s.extra = value, extra
+        self.failed_in_row = 0
+        self.outcomes.append(False)
         r = self._response(engine, s)
         if r is not None:
             r.waiting, r.finished = False, True
 
-    def _fail(self, engine: Any, s: Session, why: str) -> None:
+    def _fail(self, engine: Any, s: Session, why: str, agent: bool = False) -> None:
+        """The session fails: its response ends as it stands. Its group's other sessions
+        go on to their own end (``finish`` then drops the group, or trains it with this
+        session scored: gateway.on_session_failure). ``agent``: the agent's own failure
+        (it raised, returned no number, ...), which ``broken`` counts."""
         s.failure = why
         log.warning("session %s failed: %s", s.id, why)
+        if agent:
+            self.failed_in_row += 1
+            self.last_failure = why
+            self.outcomes.append(True)
         self._refuse(s, RequestError(500, f"session {s.id} failed: {why}"))
         if s.key not in engine.groups and s.key not in self.held:  # no session of the group
-            group = self.groups[s.key]  # called: no prompt; it ends, empty, and is dropped
+            group = self.groups[s.key]  # called yet: a placeholder prompt, until one does
             engine.submit(s.key, [self.eos_id], len(group))
             self.prompts[s.key] = [self.eos_id]
+            self.placeholders.add(s.key)
             for other in engine.groups[s.key].responses:
                 other.waiting = True
         r = self._response(engine, s)
         if r is not None:
             r.waiting, r.finished = False, True
-        for other in self.groups[s.key]:  # the group is dropped: its other agents stop too
-            if not other.opened and not other.ended:
-                other.failure, other.dragged = f"session {s.id} of its group failed", True
-                if (o := self._response(engine, other)) is not None:
-                    o.finished = True
+
+    def broken(self, in_row: int, share: float) -> str | None:
+        """The agent fails every session: the last ``in_row`` sessions all failed, or more
+        than ``share`` of the last 256 (once 256 have ended). The one line that says so."""
+        window = len(self.outcomes)
+        failed = sum(self.outcomes)
+        if (in_row and self.failed_in_row >= in_row) or (
+                window == self.outcomes.maxlen and failed > share * window):  # fmt: skip
+            return (f"data.agent failed {failed} of the last {window} sessions on this rank "
+                    f"({self.failed_in_row} in a row); the last: {self.last_failure}. Fix the "
+                    "agent (gateway.max_failed_in_row and gateway.max_failed_share set when "
+                    "the run stops for it)")  # fmt: skip
+        return None
 
     def finish(self, key: Hashable) -> tuple[list[float], str, list[int], dict[str, float]]:
         """A group ``step`` gave back: its rewards, why it is dropped ("" to train it), its
-        prompt tokens, and the agents' extra numbers (means over the group)."""
+        prompt tokens, and the agents' extra numbers (means over the group) with the
+        gateway's counts for the group's calls (``gateway/...``: sums)."""
         with self.lock:
             group = self.groups.pop(key)
             for s in group:
@@ -578,15 +696,25 @@ class Sessions:
         self.recorded_prompts.pop(key, None)
         self.reopened.pop(key, None)  # sent: never opened again
         self.temperatures.pop(key, None)
+        self.placeholders.discard(key)
         prompt = self.prompts.pop(key)
-        failed = sorted((s for s in group if s.failure is not None), key=lambda s: s.dragged)
-        rewards = [s.reward if s.reward is not None else 0.0 for s in group]
-        dropped = f"agent failed: session {failed[0].id}: {failed[0].failure}" if failed else ""
+        failed = [s for s in group if s.failure is not None]
+        scored = self.on_failure == "score" and len(failed) < len(group)
+        dropped = "" if not failed or scored else (
+            f"agent failed: session {failed[0].id}: {failed[0].failure}")  # fmt: skip
+        rewards = [s.reward if s.reward is not None
+                   else self.failure_reward if s.failure is not None else 0.0
+                   for s in group]  # fmt: skip
         extra: dict[str, float] = {}
         for name in sorted({k for s in group for k in s.extra}):
             values = [s.extra.get(name) for s in group]
             if all(isinstance(v, int | float) for v in values):
                 extra[name] = float(np.mean(values))
+        for name in sorted({k for s in group for k in s.overridden}):
+            extra[f"gateway/overridden/{name}"] = float(sum(s.overridden.get(name, 0)
+                                                            for s in group))  # fmt: skip
+        if failed:
+            extra["gateway/failed_sessions"] = float(len(failed))
         return rewards, dropped, prompt, extra
 
     def unsubmitted(
@@ -652,5 +780,6 @@ class Sessions:
     def _refuse(s: Session, error: RequestError) -> None:
         """The session's call in flight, if any, gets ``error`` (its agent is told)."""
         if s.call is not None:
-            s.call[2].set_exception(error)
-            s.call = None
+            for f in [s.call[1], *s.retries]:
+                f.set_exception(error)
+            s.call, s.retries = None, []

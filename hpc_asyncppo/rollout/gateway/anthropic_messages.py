@@ -1,0 +1,182 @@
+"""The Messages door: ``POST /v1/messages`` and ``/v1/messages/count_tokens``, Anthropic's
+API as the ``anthropic`` SDK sends it.
+
+In: ``system`` (a string or text blocks: a system message first), ``messages`` whose
+content is a string or blocks (``text``; the model's ``tool_use`` blocks as its earlier
+calls; a user turn's ``tool_result`` blocks as tool messages, before its text;
+``thinking`` blocks are skipped), ``tools`` with ``input_schema``, ``tool_choice``
+(``auto``, ``any``: a call required, ``tool``: that one, ``none``;
+``disable_parallel_tool_use``), ``max_tokens``, ``stop_sequences``, sampling fields
+(``temperature``, ``top_p``, ``top_k``: the run's own, as every door takes them),
+``stream``. These become a chat ``Call`` (``requests.py``) on the same sessions.
+
+Out: a ``message`` with content blocks (``thinking`` for ``<think>`` text, ``text``,
+``tool_use`` per call with the session's ids), ``stop_reason`` (``end_turn``,
+``tool_use``, ``max_tokens``, ``stop_sequence`` with the string), usage; with
+``stream: true`` Anthropic's events (message_start, content_block_start/delta/stop,
+message_delta, message_stop). The exact tokens are under ``hpc_asyncppo``. Errors come in
+Anthropic's shape (``{"type": "error", "error": {...}}``: ``server.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from hpc_asyncppo.rollout.gateway.openai_responses import exact
+from hpc_asyncppo.rollout.gateway.requests import Call, Fields, RequestError
+from hpc_asyncppo.rollout.gateway.sessions import Result
+
+STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}
+_READ = {"system", "messages", "tools", "tool_choice", "stop_sequences", "max_tokens"}
+_NO_OP = {"thinking", "container", "mcp_servers", "context_management", "anthropic_version"}
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """``system`` and ``messages`` as chat messages."""
+    out: list[dict[str, Any]] = []
+    system = body.get("system")
+    if system:
+        out.append({"role": "system", "content": _text(system, "system")})
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "messages: a non-empty list", "messages")
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise RequestError(400, f"{where}: a message is {{role: user | assistant, "
+                               "content}}", "messages")  # fmt: skip
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": m["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise RequestError(400, f"{where}.content: a string or a list of blocks", "messages")
+        texts, calls, results = [], [], []
+        for k, block in enumerate(content):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text":
+                texts.append(str(block.get("text", "")))
+            elif kind == "tool_use" and m["role"] == "assistant":
+                calls.append({"id": block.get("id"), "type": "function",
+                              "function": {"name": block.get("name"),
+                                           "arguments": block.get("input") or {}}})  # fmt: skip
+            elif kind == "tool_result" and m["role"] == "user":
+                results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                                "content": _text(block.get("content"), f"{where}.content.{k}")})  # fmt: skip
+            elif kind in ("thinking", "redacted_thinking"):
+                continue
+            else:
+                raise RequestError(400, f"{where}.content.{k}: blocks of type {kind!r} are not "
+                                   "served here (text, tool_use, tool_result)", "messages")  # fmt: skip
+        if m["role"] == "assistant":
+            out.append({"role": "assistant", "content": "".join(texts) or None,
+                        **({"tool_calls": calls} if calls else {})})  # fmt: skip
+        else:
+            out += results
+            if texts or not results:
+                out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def call_of(body: Any, fields: Fields) -> Call:
+    """A Messages body as a ``Call``."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    if not (isinstance(body.get("max_tokens"), int) and not isinstance(body["max_tokens"], bool)):
+        raise RequestError(400, "max_tokens: Field required (a positive integer)", "max_tokens")
+    chat: dict[str, Any] = {k: v for k, v in body.items() if k not in _READ | _NO_OP}
+    chat["messages"] = chat_messages(body)
+    chat["max_tokens"] = body["max_tokens"]
+    chat["tools"] = _tools(body.get("tools"))
+    if body.get("stop_sequences") is not None:
+        chat["stop"] = body["stop_sequences"]
+    choice = body.get("tool_choice")
+    if choice is not None:
+        if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool",
+                                                                     "none"):  # fmt: skip
+            raise RequestError(400, "tool_choice: {type: auto | any | tool | none}", "tool_choice")
+        chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(
+            choice["type"], {"type": "function", "function": {"name": choice.get("name")}}
+        )
+        if choice.get("disable_parallel_tool_use"):
+            chat["parallel_tool_calls"] = False
+    return fields.chat(chat)
+
+
+def message_body(result: Result, model: str) -> dict[str, Any]:
+    a = result.answer
+    content: list[dict[str, Any]] = []
+    if a.reasoning:
+        content.append({"type": "thinking", "thinking": a.reasoning, "signature": ""})
+    if a.message.get("content"):
+        content.append({"type": "text", "text": a.message["content"]})
+    for c in a.message.get("tool_calls", []):
+        content.append({"type": "tool_use", "id": c["id"], "name": c["name"],
+                        "input": c["arguments"]})  # fmt: skip
+    stop = "stop_sequence" if a.stop_sequence else STOP_REASONS[a.finish_reason]
+    return {
+        "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+        "model": model, "content": content, "stop_reason": stop,
+        "stop_sequence": a.stop_sequence,
+        "usage": {"input_tokens": len(result.prompt_ids), "output_tokens": len(result.token_ids),
+                  "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+        "hpc_asyncppo": exact(result),
+    }  # fmt: skip
+
+
+def events(message: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """``message`` as Anthropic's streaming events."""
+    start = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
+             "usage": {**message["usage"], "output_tokens": 0}}  # fmt: skip
+    out = [("message_start", {"type": "message_start", "message": start})]
+    for i, block in enumerate(message["content"]):
+        if block["type"] == "text":
+            opened, delta = {"type": "text", "text": ""}, {"type": "text_delta",
+                                                           "text": block["text"]}  # fmt: skip
+        elif block["type"] == "thinking":
+            opened = {"type": "thinking", "thinking": "", "signature": ""}
+            delta = {"type": "thinking_delta", "thinking": block["thinking"]}
+        else:
+            opened = {**block, "input": {}}
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        out.append(("content_block_start", {"type": "content_block_start", "index": i,
+                                            "content_block": opened}))  # fmt: skip
+        out.append(("content_block_delta", {"type": "content_block_delta", "index": i,
+                                            "delta": delta}))  # fmt: skip
+        out.append(("content_block_stop", {"type": "content_block_stop", "index": i}))
+    out.append(("message_delta", {"type": "message_delta",
+                                  "delta": {"stop_reason": message["stop_reason"],
+                                            "stop_sequence": message["stop_sequence"]},
+                                  "usage": {"output_tokens": message["usage"]["output_tokens"]},
+                                  "hpc_asyncppo": message["hpc_asyncppo"]}))  # fmt: skip
+    out.append(("message_stop", {"type": "message_stop"}))
+    return out
+
+
+def _text(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text"
+                                         for b in content):  # fmt: skip
+        return "".join(str(b.get("text", "")) for b in content)
+    raise RequestError(400, f"{where}: a string or a list of text blocks", "messages")
+
+
+def _tools(tools: Any) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError(400, "tools must be a list", "tools")
+    out = []
+    for k, t in enumerate(tools):
+        if not (isinstance(t, dict) and isinstance(t.get("name"), str)
+                and t.get("type", "custom") == "custom"):  # fmt: skip
+            raise RequestError(400, f"tools.{k}: only client tools ({{name, description, "
+                               "input_schema}}) are served here", "tools")  # fmt: skip
+        function = {"name": t["name"], "parameters": t.get("input_schema") or {}}
+        if t.get("description"):
+            function["description"] = t["description"]
+        out.append({"type": "function", "function": function})
+    return out
