@@ -211,9 +211,17 @@ class Intake:
                 if taken.filtered
                 else ""
             )
+            reasons = [r for _, r in taken.dropped if r not in ("stale", "filtered")]
+            senders = (
+                f"; {len(reasons)} of the groups taken for it dropped by their rollout ranks, "
+                f"the last because {reasons[-1]}"
+                if reasons
+                else ""
+            )
             raise PeerTimeout(
                 f"{exc} (step {step}; have {len(taken.groups)}/{required} groups; "
-                f"groups received per rollout rank: {self.link.received_from}{filtered})"
+                f"groups received per rollout rank: {self.link.received_from}{filtered}"
+                f"{senders})"
             ) from None
         if stopped():
             self.credits.queued += len(taken.dropped)  # back in the queue, with the rest

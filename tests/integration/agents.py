@@ -105,3 +105,8 @@ def gated_slow_and_failing(client, row):
     if row.index % 7 == 3 or row.session_id.startswith("val-"):
         return slow_and_failing(client, row)
     return _starting_over(_Gate(client, row.session_id), row)
+
+
+def raises_key_error(client, row):
+    """A broken agent, as a new user writes one: it reads a key the row does not have."""
+    return row.tools_kwargs["missing"]["answer"]

@@ -174,3 +174,24 @@ def test_external_agent_processes_claim_every_session_of_a_run_on_two_rollout_ra
                  if t["session_id"].startswith(f"val-s{v['step']}-p")]  # fmt: skip
         assert len(given) == val_prompts * val_n, given
         assert v["val/reward/mean"] == pytest.approx(sum(given) / len(given), abs=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_an_agent_that_fails_every_session_stops_the_run_with_its_error_and_no_restart(tmp_path):
+    """An agent that raises on every session: the rank stops the run once
+    gateway.max_failed_in_row sessions in a row failed, with one line naming the agent's
+    error; the launcher does not start the job again (the same agent fails the same way)."""
+    run_dir = tmp_path / "run"
+    args = [a for a in AGENT if not a.startswith("data.agent=")]
+    run = Run.start(run_dir, *args, "data.agent=tests.integration.agents:raises_key_error",
+                    "gateway.max_failed_in_row=16", "trainer.max_restarts=3",
+                    rollout_ranks=1, train_ranks=1)  # fmt: skip
+    proc = run.finish()
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    failed = re.search(r"AgentError: data.agent failed (\d+) of the last (\d+) sessions", out)
+    assert failed and int(failed[1]) == int(failed[2]) >= 16, out
+    assert "its agent raised KeyError: 'missing'" in out, out
+    assert "Traceback" not in proc.stderr, proc.stderr
+    attempts = read_jsonl(run_dir / "goodput.jsonl")
+    assert len(attempts) == 1, attempts  # not restarted

@@ -163,6 +163,21 @@ def test_a_timeout_names_the_step_and_what_each_rank_sent(tmp_path):
         intake.take(0, lambda: None, timeout_s=0.05, step=1)  # the ranks never generate
 
 
+def test_a_timeout_with_every_group_dropped_by_its_sender_says_why(tmp_path):
+    """An agent that fails every session: the groups arrive, each dropped by its rollout
+    rank with the reason; the timeout says so, not only how many came."""
+    intake, link = make_intake(tmp_path, ranks=1)
+    intake.grant()
+    for draw in list(link.held[0]):
+        group = make_group(0, draw, 0, (0.0, 1.0))
+        group.dropped = "agent failed: session s3-p1-r0: its agent raised KeyError: 'x'"
+        link.wire.append((0, encode_group(group)))
+    link.held[0].clear()
+    with pytest.raises(PeerTimeout, match=r"3 of the groups taken for it dropped by their "
+                       r"rollout ranks, the last because agent failed: .*KeyError"):  # fmt: skip
+        intake.take(0, lambda: None, timeout_s=0.05, step=1)
+
+
 # --- drops ---------------------------------------------------------------------------------
 
 
