@@ -41,8 +41,11 @@ data_source and text, the response's text and token ids, its reward) and
 temporary folder beside OUT and renamed to OUT at the end: an eval that fails leaves
 nothing. Bad input (a path that is not a run, checkpoint or model; a data file that is
 missing or unreadable; a reward function that does not import) is one line on stderr and
-exit code 2. Multi-turn and agent runs are not evaluated here (their tools and agents run
-in the job: use the run's validation, ``trainer.test_freq``).
+exit code 2. A run with ``data.agent`` is evaluated through its agent: each prompt's n
+responses are n sessions of it, on a gateway this process serves (the function run here,
+or external agents claiming the sessions: the address is printed), scored with the
+rewards the agents give. Multi-turn runs with the project's own tools are not evaluated
+here (use the run's validation, ``trainer.test_freq``).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_asyncppo.config import Config, ConfigError, load_config
-from hpc_asyncppo.paths import CHECKPOINTS, CONFIG, LAUNCH
+from hpc_asyncppo.paths import CHECKPOINTS, CONFIG, GATEWAY, LAUNCH
 from hpc_asyncppo.tasks import Task
 
 GENERATIONS = "generations.jsonl"
@@ -134,8 +137,8 @@ def eval_config(
     if not cfg.data.val:
         raise EvalError("nothing to evaluate on: give --data FILE (JSONL or verl parquet), "
                         "or a run that has data.val")  # fmt: skip
-    if cfg.rollout.multi_turn.enable or cfg.data.agent:
-        raise EvalError("multi-turn and agent runs are evaluated by their own validation "
+    if cfg.rollout.multi_turn.enable:
+        raise EvalError("multi-turn runs are evaluated by their own validation "
                         "(trainer.test_freq), not here")  # fmt: skip
     return cfg, ranks
 
@@ -170,6 +173,12 @@ def generate(cfg: Config, task: Task, model: Path, shares: list[int], share_coun
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     engine = make_engine(cfg, device)
     skipped = 0
+    if cfg.data.agent:
+        try:
+            return generate_with_agents(cfg, engine, prompts, shares, share_count, n,
+                                        temperature, out)  # fmt: skip
+        finally:
+            engine.close()
     try:
         with out.open("w") as f:
             for share_index in shares:
@@ -205,6 +214,81 @@ def generate(cfg: Config, task: Task, model: Path, shares: list[int], share_coun
                             f.write(json.dumps(line) + "\n")
     finally:
         engine.close()
+    return skipped
+
+
+def generate_with_agents(cfg: Config, engine, prompts: list, shares: list[int],
+                         share_count: int, n: int, temperature: float, out: Path) -> int:  # fmt: skip
+    """``data.agent``: each prompt's n responses are n sessions of the run's agent (its
+    function, run here as the rollout ranks run it, or external agents claiming them from
+    the gateway this process serves: its address is printed, and written with a token
+    beside OUT's), scored with the rewards the agents give (a failed session: 0, as
+    validation scores it). One line per session: its last sequence's text and tokens."""
+    from hpc_asyncppo.rollout.gateway.addresses import make_token
+    from hpc_asyncppo.rollout.gateway.agents import AgentRunner
+    from hpc_asyncppo.rollout.gateway.requests import Fields
+    from hpc_asyncppo.rollout.gateway.server import Gateway, make_app
+    from hpc_asyncppo.rollout.gateway.sessions import Sessions
+    from hpc_asyncppo.rollout.rollouter import GATHER_S
+    from hpc_asyncppo.tasks import tokenize_prompt
+    from hpc_asyncppo.tasks.registry import load_agent
+    from hpc_asyncppo.tools.tool_parsers import tool_parser
+
+    r, g = cfg.rollout, cfg.gateway
+    where = out.parent
+    token, agent = make_token(where), load_agent(cfg.data)
+    gateway: Gateway | None = None
+    threads = r.prompts_per_generate * n
+    runner = AgentRunner(agent, lambda: gateway.port, token, threads) if agent else None
+    sessions = Sessions(
+        engine.tokenizer, engine.eos_id, r.response_length, cfg.data.max_prompt_length,
+        g.agent_timeout_s, runner.start if runner else None,
+        GATHER_S if r.engine == "hf" else 0.0, g.max_sequences,
+        tool_parser(g.tool_parser, engine.tokenizer.chat_template), "score", 0.0,
+    )  # fmt: skip
+    if runner is not None:
+        runner.sessions = sessions
+    engine.turn_ends = sessions.turn_ends
+    fields = Fields({"temperature": temperature, "top_p": r.top_p, "top_k": r.top_k}, g.sampling)
+    app = make_app(sessions, token, Path(cfg.model.path).name or "model", fields,
+                   int(g.max_request_mb * 2**20), g.claim_wait_s)  # fmt: skip
+    gateway = Gateway(app, "127.0.0.1" if agent else g.host, g.port)
+    row = gateway.write_address(where, shares[0])
+    if agent is None:
+        print(f"eval: claim sessions at {row['url']}/sessions (token: {where}/gateway/token)",
+              flush=True)  # fmt: skip
+    skipped = 0
+    try:
+        with out.open("w") as f:
+            for share_index in shares:
+                share = [p for p in prompts[share_index::share_count]
+                         if len(tokenize_prompt(engine.tokenizer, p)) <= cfg.data.max_prompt_length]  # fmt: skip
+                skipped += len(prompts[share_index::share_count]) - len(share)
+                chunk = r.prompts_per_generate
+                for start in range(0, len(share), chunk):
+                    batch = share[start : start + chunk]
+                    for prompt in batch:
+                        sessions.open_group(("eval", prompt.index), f"eval-p{prompt.index}",
+                                            prompt, n, temperature=temperature)  # fmt: skip
+                    done: dict = {}
+                    while len(done) < len(batch):
+                        done.update(sessions.step(engine, engine.step))
+                    for prompt in batch:
+                        gen = done[("eval", prompt.index)]
+                        given, _, _, _ = sessions.finish(("eval", prompt.index))
+                        rows = (list(range(n)) if gen.row_sessions is None
+                                else [max(k for k, s in enumerate(gen.row_sessions) if s == j)
+                                      for j in range(n)])  # fmt: skip
+                        for j, k in enumerate(rows):
+                            response = gen.response_ids[k, : gen.response_lengths[k]]
+                            line = {"prompt_index": prompt.index, "data_source": prompt.data_source,
+                                    "prompt": prompt.text, "sample": j,
+                                    "response": engine.decode(response),
+                                    "response_ids": response.tolist(),
+                                    "reward": float(given[j])}  # fmt: skip
+                            f.write(json.dumps(line) + "\n")
+    finally:
+        gateway.close()
     return skipped
 
 
@@ -359,6 +443,7 @@ def run_eval(
         lines, skipped = generate_in_processes(
             cfg, task, model, ranks, processes, n, temperature, tmp
         )
+        shutil.rmtree(tmp / GATEWAY, ignore_errors=True)  # agents' gateway: its token, address
         if not lines:
             raise EvalError(f"data.val={cfg.data.val}: no prompt fits data.max_prompt_length="
                             f"{cfg.data.max_prompt_length}; raise it")  # fmt: skip

@@ -98,3 +98,35 @@ def test_bad_input_is_one_line_and_leaves_nothing(tiny_model_dir, data, tmp_path
     assert not (run_dir / evaluation.EVAL).exists() and leftovers(tmp_path) == []
     # the command line says the same, in one line
     one_line_error(eval_cli(tmp_path / "nope"), "does not exist")
+
+
+def test_an_agent_run_is_scored_through_its_agent(tmp_path):
+    """``data.agent``: each prompt's n responses are n sessions of the agent (the example
+    lookup agent, through a gateway the eval serves), scored with the rewards it gives.
+    The model is made to call the tool after ``=`` and repeat the digit it stands on, so
+    every session answers right (reward 1, the agent's own)."""
+    from hpc_asyncppo.config import DataConfig, TinyModelConfig
+    from hpc_asyncppo.models.tiny import build_tiny_model
+    from hpc_asyncppo.tasks.tool_lookup import CALL, CHAT_TEMPLATE, ToolLookupTask
+    from hpc_asyncppo.tasks.tool_lookup import generate_prompts as lookup_prompts
+    from tests.rollout.gateway_loop import bigram
+
+    task = ToolLookupTask(DataConfig(num_prompts=4))
+    model = build_tiny_model(tmp_path / "model", task.vocabulary(), TinyModelConfig(), 3,
+                             CHAT_TEMPLATE)  # fmt: skip
+    bigram(model, {"=": CALL[0], CALL[0]: CALL[1], **{d: d for d in "0123456789"}})
+    write_prompts(tmp_path / "val.jsonl", lookup_prompts(4, seed=99))
+    out = tmp_path / "out"
+    proc = eval_cli(model, "--data", tmp_path / "val.jsonl", "--n", "2", "--out", out,
+                    "data.task=tool_lookup", "data.agent=examples.lookup_agent:run",
+                    "rollout.response_length=10")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = read_jsonl(out / evaluation.GENERATIONS)
+    assert sorted((r["prompt_index"], r["sample"]) for r in lines) == [
+        (i, j) for i in range(4) for j in range(2)
+    ]
+    assert all(r["reward"] == pytest.approx(1.0) and r["response"].startswith(CALL[0])
+               for r in lines), lines  # fmt: skip
+    summary = json.loads((out / evaluation.SUMMARY).read_text())
+    assert summary["val/reward/mean"] == pytest.approx(1.0)
+    assert sorted(p.name for p in out.iterdir()) == [evaluation.GENERATIONS, evaluation.SUMMARY]
