@@ -54,10 +54,12 @@ def starts_over(row) -> bool:
 def _starting_over(client, row):
     """The lookup agent, which on prompts that ``starts_over`` first makes a call whose
     answer it throws away, then runs from the prompt again: a call that does not extend
-    the conversation, so every such session is two sequences."""
+    the conversation, so every such session is two sequences. (The first call has a seed
+    of its own: the same body again would be a client's retry, answered with the same
+    turn.)"""
     if starts_over(row):
         client.chat.completions.create(model="policy", messages=list(row.messages),
-                                       tools=[LOOKUP], parallel_tool_calls=False)  # fmt: skip
+                                       tools=[LOOKUP], parallel_tool_calls=False, seed=1)  # fmt: skip
     return lookup(client, row)
 
 

@@ -14,6 +14,7 @@ tokens of the conversation it ended with.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -383,3 +384,47 @@ def test_a_failed_session_lets_its_siblings_finish(served, on_failure):
     else:
         assert dropped == "" and rewards == [-1.0, 1.0]
         assert gen.response_lengths.tolist() == [0, WIDTH]
+
+
+def test_two_calls_at_once_in_one_session_each_go_on_in_their_own_sequence(served):
+    """Sub-agents on one base URL: a call made while the session's own has its turn running
+    starts a line beside it (a new sequence of the session); later calls go on whichever
+    line they extend, and both are trained with the session's reward."""
+    sessions, loop = served["sessions"], served["loop"]
+    fields = Fields({"temperature": 1.0, "top_p": 1.0})
+    key = ("concurrent", 6)
+    [sid] = open_one(served, key, 6)
+    prompt = served["task"].prompts()[6]
+    main = [{"role": "user", "content": prompt.text}]
+    side = [{"role": "user", "content": "question ponder"}]
+    futures = []
+
+    def both(_):  # between two engine steps: both calls reach the rank at once
+        futures.append(sessions.post(sid, fields.chat({"messages": main, "tools": [LOOKUP],
+                                                       "parallel_tool_calls": False})))  # fmt: skip
+        futures.append(sessions.post(sid, fields.chat({"messages": side})))
+
+    loop.opening.put((both, None, None, None))
+    deadline = time.monotonic() + HANG_S
+    while len(futures) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    one, two = (f.result(timeout=HANG_S) for f in futures)
+    assert one.answer.finish_reason == "tool_calls" and two.answer.message["content"] == "7"
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": one.answer.message["tool_calls"][0]["id"], "type": "function",
+         "function": {"name": "lookup", "arguments": "{}"}}]}  # fmt: skip
+    # each line goes on: the side's conversation first, then the session's own
+    side += [{"role": "assistant", "content": "7"}, {"role": "user", "content": "question"}]
+    got = chat(served, sid, messages=side)["choices"][0]
+    assert got["token_ids"] == [served["engine"].eos_id]  # after "question": EOS
+    main += [call, {"role": "tool", "tool_call_id": call["tool_calls"][0]["id"], "content": "7"}]
+    last = chat(served, sid, messages=main, tools=[LOOKUP], parallel_tool_calls=False)
+    assert last["choices"][0]["token_ids"] == [served["engine"].eos_id]
+    gen, rewards, dropped, prompt_ids, _ = finish(served, key, [sid], 0.5)
+    assert dropped == "" and rewards == [0.5] and gen.row_sessions.tolist() == [0, 0]
+    # the side line: <think> hmm </think> 7 EOS, the user's "question", EOS
+    assert gen.response_lengths.tolist() == [6, 7]
+    own = [main[0], {"role": "assistant", "content": " ".join(CALL)},
+           {"role": "tool", "content": "7"}, {"role": "assistant", "content": ""}]  # fmt: skip
+    assert trained(served, gen, prompt_ids, 0, own)[-1] == served["engine"].eos_id

@@ -173,6 +173,7 @@ class Call:
     logprobs: bool = False
     top_logprobs: int = 0
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: log-prob tokens as token_id:N
+    seed: Any = None  # no-op for sampling; another seed makes the same call a new question
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     include_usage: bool = False  # stream_options.include_usage: usage in its own last chunk
     # what the answer says of the request (hpc_asyncppo.*): sampling fields replaced by the
@@ -185,10 +186,10 @@ class Call:
         """The same call again (a client's retry): what shapes the turn is equal."""
         return (self.kind, self.messages, self.tools, self.prompt, self.max_tokens, self.stop,
                 self.stop_token_ids, self.tool_choice, self.parallel_tool_calls,
-                self.chat_template_kwargs) == (
+                self.chat_template_kwargs, self.seed, self.overridden) == (
                 other.kind, other.messages, other.tools, other.prompt, other.max_tokens,
                 other.stop, other.stop_token_ids, other.tool_choice, other.parallel_tool_calls,
-                other.chat_template_kwargs)  # fmt: skip
+                other.chat_template_kwargs, other.seed, other.overridden)  # fmt: skip
 
     def notes(self) -> dict[str, Any]:
         """The answer's ``hpc_asyncppo`` extension: what was not done as asked."""
@@ -294,6 +295,7 @@ class Fields:
         call.include_usage = bool((options or {}).get("include_usage"))
         if body.get("stream") is not None:
             _bool(body["stream"], "stream")
+        call.seed = body.get("seed")
         call.not_applied = sorted(k for k in NOT_APPLIED if body.get(k) is not None)
         known = HONOURED | SAMPLING.keys() | NOT_APPLIED | NO_OP
         call.ignored = sorted(k for k in body if k not in known)

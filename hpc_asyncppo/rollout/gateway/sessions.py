@@ -20,6 +20,13 @@ session's reward; the group's advantages are taken over its n sessions (one rewa
 and every sequence of a session gets its session's (``trainer/batch.py``). A session
 starts at most ``gateway.max_sequences``.
 
+A session's calls need not come one at a time: a call made while its turn runs (a
+sub-agent, a side call on the same base URL) goes on a *line* beside the session's own
+(``Sessions.sides``): a further sequence of the session, with its own conversation; each
+later call goes on the first line free whose conversation it extends, else starts a new
+sequence (on the session's own line if it is free). The same call again, while its turn
+runs or after it (a client's retry), is answered with the same turn.
+
 Calls come from the HTTP server's thread (``post``, ``end``: thread-safe, each answered
 through a ``Future``); everything that touches the engine happens on the rank's loop, in
 ``advance``, between two engine steps, so neither engine is ever entered from another
@@ -125,7 +132,7 @@ class Session:
     sequences: int = 1
 
     def __post_init__(self) -> None:
-        self.row = self.j if self.row < 0 else self.row
+        self.row = self.j if self.row == -1 else self.row  # -2: a side line, no sequence yet
 
     @property
     def ended(self) -> bool:
@@ -178,6 +185,7 @@ class Sessions:
         self.recorded_prompts: dict[Hashable, list[int]] = {}  # resumed groups' prompts
         # groups submitted with a stand-in prompt (a session failed before any called)
         self.placeholders: set[Hashable] = set()
+        self.sides: dict[str, list[Session]] = {}  # the lines beside a session's own
         self.replayed_calls = 0  # answered from a cut session's recording
         self.replayed_tokens = 0  # the model's tokens those answers kept
         self.discarded_tokens = 0  # recorded tokens after the first call that differed
@@ -291,13 +299,13 @@ class Sessions:
         time. True when the engine should step now: a group is complete, or a response
         may run and no session answered within ``gather_s`` is still to call."""
         for group in self.groups.values():
-            for s in group:
-                if s.call is not None:
-                    r = self._response(engine, s)
+            for line in (x for s in group for x in self._lines(s)):
+                if line.call is not None:
+                    r = self._response(engine, line)
                     if r is not None and (
-                        r.finished or (r.waiting and len(r.tokens) > s.turn_start)
+                        r.finished or (r.waiting and len(r.tokens) > line.turn_start)
                     ):
-                        self._answer(engine, s, r)
+                        self._answer(engine, line, r)
         while True:
             with self.lock:
                 if not self.inbox:
@@ -348,7 +356,7 @@ class Sessions:
     def hold(self, key: Hashable, gen: Generation) -> None:
         """A group the engine finished: a call whose turn ended it (no room left) is
         answered from ``gen``; the group waits for its sessions' rewards."""
-        for s in self.groups[key]:
+        for s in (x for session in self.groups[key] for x in self._lines(session)):
             if s.call is not None:
                 length, row = int(gen.response_lengths[s.row]), s.row
                 self._answer_with(
@@ -361,49 +369,37 @@ class Sessions:
     def _response(self, engine: Any, s: Session) -> Response | None:
         """The session's current sequence, as the engine keeps it; None once its group is
         held."""
-        if s.key in self.held:
+        if s.key in self.held or s.row < 0:
             return None
         return engine.groups[s.key].responses[s.row]
 
     def _call(self, engine: Any, s: Session, call: Call, future: Future) -> None:
-        if s.call is not None:
-            if s.call[0].same_request(call):  # the client retried while the turn runs
-                s.retries.append(future)
+        lines = self._lines(s)
+        for line in lines:
+            if line.call is not None and line.call[0].same_request(call):
+                line.retries.append(future)  # the client retried while the turn runs
                 self.retried_calls += 1
                 return
-            raise RequestError(409, f"session {s.id} has a call running: one at a time")
-        if s.last is not None and s.last[0].same_request(call):  # a retry after the answer
-            self.retried_calls += 1
-            future.set_result(s.last[1])
-            return
+            if line.call is None and line.last is not None and line.last[0].same_request(call):
+                self.retried_calls += 1  # a retry after the answer
+                future.set_result(line.last[1])
+                return
         for name in call.overridden:
             s.overridden[name] = s.overridden.get(name, 0) + 1
         if not s.opened:
-            r = self._open(engine, s, call)
+            line, r = s, self._open(engine, s, call)
         else:
-            r = self._response(engine, s)
-            full = r is None or r.finished
-            after_eos = not full and bool(r.tokens) and r.tokens[-1] == self.eos_id
-            # a sequence with no room left takes no observation: tried on a copy
-            conversation = copy.copy(s.conversation) if full else s.conversation
-            try:
-                if call.kind == "chat":
-                    ids = conversation.extend(call.messages, call.tools, after_eos,
-                                              call.chat_template_kwargs)  # fmt: skip
-                else:
-                    ids = conversation.extend_text(call.prompt)
-            except NotExtending:
-                r = self._new_sequence(engine, s, call)
-            else:
-                if full:  # no room for an observation, nor for the model's turn
-                    r = None
-                else:
-                    self._observe(r, ids)
+            line, r = self._extend(engine, [x for x in lines if x.call is None], call)
+            if line is None:  # it extends no line free now: a new sequence, on the session's
+                line = s if s.call is None else self._side(s)  # own line, or beside it
+                r = self._new_sequence(engine, line, call)
+                if r is None and line is not s:  # no sequence left for it: no side either
+                    self.sides[s.id].remove(line)
         if r is None:  # out of room, or of sequences: the turn ends before it starts
-            self._answer_empty(engine, s, call, future)
+            self._answer_empty(engine, line, call, future)
             return
-        s.call = (call, future)
-        s.turn_start = len(r.tokens)
+        line.call = (call, future)
+        line.turn_start = len(r.tokens)
         opening = self._opening(call)
         if opening and not r.finished:
             self._observe(r, opening)
@@ -415,9 +411,49 @@ class Sessions:
         span = r.observations[-1] if r.observations and r.observations[-1][1] == len(r.tokens) \
             else None  # fmt: skip
         if r.finished:  # no room for the model's turn
-            self._answer(engine, s, r)
-        elif s.recorded is not None and self._replay(s, r, span):
-            self._answer(engine, s, r)
+            self._answer(engine, line, r)
+        elif line.recorded is not None and self._replay(line, r, span):
+            self._answer(engine, line, r)
+
+    def _lines(self, s: Session) -> list[Session]:
+        """A session's lines: its own, and those its concurrent calls opened beside it."""
+        return [s, *self.sides.get(s.id, ())]
+
+    def _side(self, s: Session) -> Session:
+        """A line beside the session's own, for a call made while every line has one
+        running (sub-agents, side calls on one base URL): its own sequences, the session's
+        reward, its room counted with the session's sequences."""
+        side = Session(s.id, s.key, s.j, s.prompt, self.conversation(s.conversation.session),
+                       started=s.started, opened=True, row=-2)  # fmt: skip
+        self.sides.setdefault(s.id, []).append(side)
+        return side
+
+    def _extend(self, engine: Any, lines: list[Session], call: Call
+                ) -> tuple[Session | None, Response | None]:  # fmt: skip
+        """The first of ``lines`` whose conversation the call extends, and its response
+        with the call's messages observed (None: no room left for them); (None, None)
+        when it extends none of them."""
+        for line in lines:
+            if line.row < 0:
+                continue
+            r = self._response(engine, line)
+            full = r is None or r.finished
+            after_eos = not full and bool(r.tokens) and r.tokens[-1] == self.eos_id
+            # a sequence with no room left takes no observation: tried on a copy
+            conversation = copy.copy(line.conversation) if full else line.conversation
+            try:
+                if call.kind == "chat":
+                    ids = conversation.extend(call.messages, call.tools, after_eos,
+                                              call.chat_template_kwargs)  # fmt: skip
+                else:
+                    ids = conversation.extend_text(call.prompt)
+            except NotExtending:
+                continue
+            if full:  # no room for an observation, nor for the model's turn
+                return line, None
+            self._observe(r, ids)
+            return line, r
+        return None, None
 
     def _observe(self, r: Response, ids: list[int]) -> None:
         """Context before the model's turn (the call's messages, then any opening), as
@@ -506,7 +542,8 @@ class Sessions:
         whole. The sequence before it ends where it stands. None when the session has
         ``max_sequences`` already (the call is answered with no turn, "length"); nothing
         changes when the prompt is too long (400)."""
-        if s.sequences >= self.max_sequences:
+        owner = self.by_id.get(s.id, s)  # a side line's sequences count as its session's
+        if owner.sequences >= self.max_sequences:
             log.info("session %s: a call that does not extend its conversation, and "
                      "gateway.max_sequences=%d used: answered with finish_reason length",
                      s.id, self.max_sequences)  # fmt: skip
@@ -519,11 +556,12 @@ class Sessions:
             engine.resume(s.key, PartialGroup(list(self.prompts[s.key]), gen,
                                               np.ones(rows, dtype=bool)))  # fmt: skip
         group = engine.groups[s.key]
-        before = group.responses[s.row]
-        before.waiting, before.finished = False, True
+        if s.row >= 0:  # the line's sequence before this one ends where it stands
+            before = group.responses[s.row]
+            before.waiting, before.finished = False, True
         group.responses.append(Response(prompt=list(ids), session=s.j))
         s.row, s.sequence_prompt = len(group.responses) - 1, list(ids)
-        s.conversation, s.sequences = conversation, s.sequences + 1
+        s.conversation, owner.sequences = conversation, owner.sequences + 1
         if s.recorded is None and s.later and s.later[0].prompt == ids:
             s.recorded, s.replayed_to = s.later.pop(0), 0  # as before the stop: replayed
         else:
@@ -601,11 +639,13 @@ class Sessions:
         r = self._response(engine, s)
         if r is not None:
             tokens = r.tokens
-        else:  # the engine finished the group
+        elif s.key in self.held and s.row >= 0:  # the engine finished the group
             gen = self.held[s.key]
             tokens = gen.response_ids[s.row, : int(gen.response_lengths[s.row])].tolist()
+        else:  # a side line that got no sequence
+            tokens = []
         answer = Answer({"role": "assistant", "content": ""}, "", "length")
-        prompt = (s.sequence_prompt or self.prompts[s.key]) + list(tokens)
+        prompt = (s.sequence_prompt or self.prompts.get(s.key, [])) + list(tokens)
         s.answered = time.monotonic()
         self._resolve(s, call, Result(s.id, answer, prompt, [], [], [], call), future)
 
@@ -623,7 +663,7 @@ class Sessions:
         if isinstance(outcome, dict) and outcome.get("error") is not None:
             self._fail(engine, s, f"its agent failed: {outcome['error']}", agent=True)
             return
-        if s.call is not None:
+        if any(line.call is not None for line in self._lines(s)):
             raise RequestError(409, f"session {s.id} has a call running: end it after the answer")
         reward, extra = outcome, {}
         if isinstance(outcome, dict):
@@ -643,9 +683,10 @@ class Sessions:
         s.reward, s.extra = value, extra
         self.failed_in_row = 0
         self.outcomes.append(False)
-        r = self._response(engine, s)
-        if r is not None:
-            r.waiting, r.finished = False, True
+        for line in self._lines(s):
+            r = self._response(engine, line)
+            if r is not None and line.row >= 0:
+                r.waiting, r.finished = False, True
 
     def _fail(self, engine: Any, s: Session, why: str, agent: bool = False) -> None:
         """The session fails: its response ends as it stands. Its group's other sessions
@@ -658,7 +699,8 @@ class Sessions:
             self.failed_in_row += 1
             self.last_failure = why
             self.outcomes.append(True)
-        self._refuse(s, RequestError(500, f"session {s.id} failed: {why}"))
+        for line in self._lines(s):
+            self._refuse(line, RequestError(500, f"session {s.id} failed: {why}"))
         if s.key not in engine.groups and s.key not in self.held:  # no session of the group
             group = self.groups[s.key]  # called yet: a placeholder prompt, until one does
             engine.submit(s.key, [self.eos_id], len(group))
@@ -666,9 +708,10 @@ class Sessions:
             self.placeholders.add(s.key)
             for other in engine.groups[s.key].responses:
                 other.waiting = True
-        r = self._response(engine, s)
-        if r is not None:
-            r.waiting, r.finished = False, True
+        for line in self._lines(s):
+            r = self._response(engine, line)
+            if r is not None and line.row >= 0:
+                r.waiting, r.finished = False, True
 
     def broken(self, in_row: int, share: float) -> str | None:
         """The agent fails every session: the last ``in_row`` sessions all failed, or more
@@ -693,6 +736,7 @@ class Sessions:
                 self.by_id.pop(s.id, None)
         for s in group:
             self._discard(s)
+            self.sides.pop(s.id, None)
         self.recorded_prompts.pop(key, None)
         self.reopened.pop(key, None)  # sent: never opened again
         self.temperatures.pop(key, None)
@@ -755,7 +799,9 @@ class Sessions:
         self.recorded_prompts.pop(key, None)
         self.temperatures.pop(key, None)
         for s in group:
-            self._refuse(s, RequestError(503, why, kind="run_stopping"))
+            for line in self._lines(s):
+                self._refuse(line, RequestError(503, why, kind="run_stopping"))
+            self.sides.pop(s.id, None)
             s.failure = s.failure or why
             self._discard(s)
 
@@ -769,7 +815,8 @@ class Sessions:
             future.set_exception(RequestError(503, why, kind="run_stopping"))
         for group in self.groups.values():
             for s in group:
-                self._refuse(s, RequestError(503, why, kind="run_stopping"))
+                for line in self._lines(s):
+                    self._refuse(line, RequestError(503, why, kind="run_stopping"))
 
     def carry_on(self) -> None:
         """The stop was withdrawn (no checkpoint came): calls are taken again."""
