@@ -16,6 +16,9 @@ case "$PWD/" in
     ;;
 esac
 bash scripts/install.sh --with-vllm  # CI runs the vLLM tests on its CPU build
+# the agent harnesses (OpenAI Agents SDK, LangGraph, smolagents, ...) in an environment of
+# their own, for tests/integration/test_harness_runs.py (about a minute and a half, once)
+bash scripts/install_harnesses.sh
 # verl's own code, for tests/trainer/test_verl_parity.py: the PyPI wheel, never installed
 # (its imports need Ray and more); the test loads the math modules from the zip
 verl_wheel=build/verl-reference/verl-0.7.1-py3-none-any.whl

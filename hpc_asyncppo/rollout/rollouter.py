@@ -528,6 +528,12 @@ class Rollouter:
                 "version_at_send": self.version,
                 "time": time.time(),
             }
+            row["model_tokens"] = {}  # each row's tokens the model sampled, in order
+            for j in range(group.rows):
+                ids = group.response_ids[j, : group.response_lengths[j]]
+                if group.loss_mask is not None:
+                    ids = ids[group.loss_mask[j, : group.response_lengths[j]] == 1]
+                row["model_tokens"][group.uid(j)] = ids.tolist()
             self.sent_log.write([row])
 
     def finish_in_flight(self) -> None:

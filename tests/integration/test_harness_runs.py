@@ -1,0 +1,92 @@
+"""The agent harnesses users already have, unmodified, driving a training run: one short
+run of the lookup task (``data.agent=external``) whose groups are run, in turn by prompt,
+by agents written as each library's documentation shows them (``examples/harnesses/``:
+the OpenAI Agents SDK on Responses and on chat completions with a structured output,
+LangGraph's ReAct agent on ``langchain-openai``, smolagents' ToolCallingAgent and
+CodeAgent, LiteLLM, the ``anthropic`` SDK plain and streamed, mini-swe-agent's model),
+from their own environment (``build/harness-venv``, ``constraints/harnesses.txt``).
+
+Every harness's sessions end with a reward and none of their calls gets a 4xx or 5xx;
+for every session trained, the tokens its harness got back (what a recording proxy saw
+between the harness and the gateway) are the rows trained: the model's tokens of each of
+its sequences, in order. How the reward rises through these harnesses over a longer run:
+BENCHMARKS.md, "Agent harnesses, unmodified"."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections import defaultdict
+
+import pytest
+
+from hpc_asyncppo.runlog import read_jsonl
+from tests.harness import HANG_S, REPO, Run, check_audit
+
+pytestmark = pytest.mark.mpi
+VENV_PYTHON = REPO / "build" / "harness-venv" / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def harness_python():
+    """The harnesses' environment, installed if missing (scripts/install_harnesses.sh)."""
+    subprocess.run(["bash", "scripts/install_harnesses.sh"], cwd=REPO, check=True,
+                   timeout=900)  # fmt: skip
+    return VENV_PYTHON
+
+
+@pytest.mark.timeout(900)
+def test_every_harness_drives_sessions_that_train_exactly_what_it_got_back(
+    tmp_path, harness_python
+):
+    from examples.harnesses.harness_agents import HARNESSES
+
+    run_dir, transcripts = tmp_path / "run", tmp_path / "harnesses.jsonl"
+    run = Run.start(run_dir, "data.task=tool_lookup", "data.agent=external",
+                    "rollout.response_length=12", "data.max_prompt_length=4096",
+                    "trainer.total_steps=4", "actor.ppo_mini_batch_size=4",
+                    "async_training.trigger_parameter_sync_step=1",
+                    "rollout.record_sent_groups=true", rollout_ranks=1, train_ranks=1)  # fmt: skip
+    driver = subprocess.Popen(
+        [str(harness_python), "examples/harnesses/run_harnesses.py", str(run_dir), "--local",
+         "--transcripts", str(transcripts), "--wait-s", "60"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        proc = run.finish()
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out = driver.communicate(timeout=HANG_S)[0]
+    finally:
+        driver.kill()
+    assert driver.returncode == 0, out
+    sessions = [json.loads(line) for line in transcripts.open()]
+    by_harness = defaultdict(list)
+    for s in sessions:
+        by_harness[s["harness"]].append(s)
+    assert set(by_harness) == set(HARNESSES), (sorted(by_harness), out)
+    for name, rows in by_harness.items():
+        statuses = {c["status"] for s in rows for c in s["calls"]}
+        assert statuses == {200}, (name, statuses)
+        assert all(s["error"] is None for s in rows), (name, [s["error"] for s in rows])
+    trained = check_audit(run_dir, sync_every=1, max_staleness=1 << 30)
+    dropped = [r for r in read_jsonl(run_dir / "dropped_samples.jsonl") if r["reason"] != "stale"]
+    assert not dropped, dropped
+    model_tokens: dict[str, list[int]] = {}
+    for rank_file in (run_dir / "sent").glob("rank*.jsonl"):
+        for group in read_jsonl(rank_file):
+            model_tokens.update(group["model_tokens"])
+    rows_of = defaultdict(list)  # session id -> its trained rows' uids, in sequence order
+    for r in trained:
+        rows_of[r["uid"].split(".s")[0]].append(r["uid"])
+    checked = defaultdict(int)
+    for s in sessions:
+        if s["session_id"] not in rows_of:
+            continue  # sent after the run's last step: not trained
+        uids = sorted(rows_of.pop(s["session_id"]),
+                      key=lambda u: int(u.split(".s")[1]) if ".s" in u else 0)  # fmt: skip
+        got = [t for c in s["calls"] for t, v in zip(c["token_ids"], c["token_versions"],
+                                                     strict=True) if v >= 0]  # fmt: skip
+        assert got == [t for u in uids for t in model_tokens[u]], (s["harness"], s, uids)
+        checked[s["harness"]] += 1
+    assert not rows_of, f"trained sessions no harness ran: {sorted(rows_of)[:5]}"
+    assert set(checked) == set(HARNESSES), checked
