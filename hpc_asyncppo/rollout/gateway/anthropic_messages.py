@@ -25,7 +25,7 @@ import uuid
 from typing import Any
 
 from hpc_asyncppo.rollout.gateway.openai_responses import exact
-from hpc_asyncppo.rollout.gateway.requests import Call, Fields, RequestError
+from hpc_asyncppo.rollout.gateway.requests import Call, Fields, RequestError, function_tool
 from hpc_asyncppo.rollout.gateway.sessions import Result
 
 STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}
@@ -175,8 +175,5 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
                 and t.get("type", "custom") == "custom"):  # fmt: skip
             raise RequestError(400, f"tools.{k}: only client tools ({{name, description, "
                                "input_schema}}) are served here", "tools")  # fmt: skip
-        function = {"name": t["name"], "parameters": t.get("input_schema") or {}}
-        if t.get("description"):
-            function["description"] = t["description"]
-        out.append({"type": "function", "function": function})
+        out.append(function_tool(t["name"], t.get("input_schema"), t.get("description")))
     return out

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from typing import Any
 
 from hpc_asyncppo.rollout.gateway.chat import openai_message
-from hpc_asyncppo.rollout.gateway.requests import Call, Fields, RequestError
+from hpc_asyncppo.rollout.gateway.requests import Call, Fields, RequestError, function_tool
 from hpc_asyncppo.rollout.gateway.sessions import Result
 
 STORED = 1024  # conversations kept for previous_response_id, per rank
@@ -247,10 +247,7 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
                 t.get("name"), str)):  # fmt: skip
             raise RequestError(400, "tools: only function tools ({type: function, name, "
                                "parameters}) are served here", "tools")  # fmt: skip
-        function = {"name": t["name"], "parameters": t.get("parameters") or {}}
-        if t.get("description"):
-            function["description"] = t["description"]
-        out.append({"type": "function", "function": function})
+        out.append(function_tool(t["name"], t.get("parameters"), t.get("description")))
     return out
 
 

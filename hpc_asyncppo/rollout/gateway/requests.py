@@ -336,6 +336,15 @@ class Fields:
                         "vLLM's): said once per rank", name)  # fmt: skip
 
 
+def function_tool(name: str, parameters: Any, description: str | None) -> dict[str, Any]:
+    """A tool in Chat Completions' shape (what the chat template renders), from another
+    API's flat one."""
+    function = {"name": name, "parameters": parameters or {}}
+    if description:
+        function["description"] = description
+    return {"type": "function", "function": function}
+
+
 def _tools(tools: Any) -> list[dict[str, Any]] | None:
     if not tools:
         return None

@@ -155,12 +155,17 @@ def make_app(sessions: Sessions, token: str, model: str, fields: Fields,
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
+    async def answered(request: Request, session: str | None, door) -> tuple[Any, Any, Any]:
+        """A call through ``door`` (its body -> the ``Call`` and what the door keeps for
+        its answer): the body, that, and the sessions' ``Result``."""
+        body = await read_body(request)
+        call, kept = door(body)
+        future = sessions.post(session_of(request, body, session), call)
+        return body, kept, await asyncio.wrap_future(future)
+
     async def chat(request: Request, session: str | None = None):
         try:
-            body = await read_body(request)
-            call = fields.chat(body)
-            result = await asyncio.wrap_future(sessions.post(session_of(request, body, session),
-                                                             call))  # fmt: skip
+            body, _, result = await answered(request, session, lambda b: (fields.chat(b), None))
         except RequestError as exc:
             return error(exc)
         if not body.get("stream"):
@@ -169,44 +174,30 @@ def make_app(sessions: Sessions, token: str, model: str, fields: Fields,
 
     async def completions(request: Request, session: str | None = None):
         try:
-            body = await read_body(request)
-            call = fields.completion(body)
-            result = await asyncio.wrap_future(sessions.post(session_of(request, body, session),
-                                                             call))  # fmt: skip
+            body, _, result = await answered(request, session,
+                                             lambda b: (fields.completion(b), None))  # fmt: skip
         except RequestError as exc:
             return error(exc)
         answer = openai_chat.completion_body(result, model, piece)
-        if not body.get("stream"):
-            return answer
-        answer["object"] = "text_completion"
-        return sse([(None, answer)], True)
+        return sse([(None, answer)], True) if body.get("stream") else answer
 
     async def respond(request: Request, session: str | None = None):
         try:
-            body = await read_body(request)
-            call, messages = responses.call(body)
-            result = await asyncio.wrap_future(sessions.post(session_of(request, body, session),
-                                                             call))  # fmt: skip
+            body, messages, result = await answered(request, session, responses.call)
         except RequestError as exc:
             return error(exc)
         answer = responses.body(result, model, messages, body)
-        if not body.get("stream"):
-            return answer
-        return sse(openai_responses.events(answer), False)
+        return sse(openai_responses.events(answer), False) if body.get("stream") else answer
 
     async def messages(request: Request, session: str | None = None):
-        path = request.url.path
         try:
-            body = await read_body(request)
-            call = anthropic_messages.call_of(body, fields)
-            result = await asyncio.wrap_future(sessions.post(session_of(request, body, session),
-                                                             call))  # fmt: skip
+            body, _, result = await answered(
+                request, session, lambda b: (anthropic_messages.call_of(b, fields), None)
+            )
         except RequestError as exc:
-            return error(exc, path)
+            return error(exc, request.url.path)
         answer = anthropic_messages.message_body(result, model)
-        if not body.get("stream"):
-            return answer
-        return sse(anthropic_messages.events(answer), False)
+        return sse(anthropic_messages.events(answer), False) if body.get("stream") else answer
 
     async def count_tokens(request: Request, session: str | None = None):
         path = request.url.path
