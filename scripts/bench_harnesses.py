@@ -7,7 +7,7 @@ of its first and last quarter of sessions (in the order they ended).
 
     python scripts/bench_harnesses.py --steps 150 --seed 1
 
-The suite runs the same with 4 steps (``tests/integration/test_harness_runs.py``), where
+The suite runs the same with 6 steps (``tests/integration/test_harness_runs.py``), where
 it checks the statuses and that what each harness got back is what was trained.
 """
 
@@ -72,7 +72,7 @@ def main() -> int:
     )
     for name, rows in by.items():
         statuses = Counter(c["status"] for s in rows for c in s["calls"])
-        errors = Counter(e for s in rows for e in s["agent_errors"]) + Counter(
+        errors = Counter(e.split(":")[0] for s in rows for e in s["agent_errors"]) + Counter(
             (s["error"] or "").split(":")[0] for s in rows if s["error"]
         )
         q = max(1, len(rows) // 4)

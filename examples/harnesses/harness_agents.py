@@ -55,7 +55,7 @@ def openai_agents_responses(base_url: str, key: str, e: Episode) -> None:
     try:
         e.final = str(Runner.run_sync(agent, e.question, max_turns=3).final_output)
     except AgentsException as exc:  # the model's turn was not what the SDK needs
-        e.errors.append(type(exc).__name__)
+        e.errors.append(f"{type(exc).__name__}: {exc}"[:300])
 
 
 def openai_agents_chat_structured(base_url: str, key: str, e: Episode) -> None:
@@ -85,7 +85,7 @@ def openai_agents_chat_structured(base_url: str, key: str, e: Episode) -> None:
     try:
         e.final = Runner.run_sync(agent, e.question, max_turns=3).final_output.answer
     except AgentsException as exc:  # e.g. its answer is not the JSON the schema asks for
-        e.errors.append(type(exc).__name__)
+        e.errors.append(f"{type(exc).__name__}: {exc}"[:300])
 
 
 def langgraph_react(base_url: str, key: str, e: Episode) -> None:
@@ -106,7 +106,7 @@ def langgraph_react(base_url: str, key: str, e: Episode) -> None:
         out = agent.invoke({"messages": [("user", e.question)]}, {"recursion_limit": 6})
         e.final = str(out["messages"][-1].content)
     except GraphRecursionError as exc:
-        e.errors.append(type(exc).__name__)
+        e.errors.append(f"{type(exc).__name__}: {exc}"[:300])
 
 
 def _smolagents_lookup(e: Episode):

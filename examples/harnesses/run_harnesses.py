@@ -2,7 +2,8 @@
 sessions of a ``data.agent=external`` run of the lookup task (``data.task=tool_lookup``)
 until it ends, and runs each group's sessions with one harness (``harness_agents.py``: the
 OpenAI Agents SDK, LangGraph, smolagents, LiteLLM, the ``anthropic`` SDK, mini-swe-agent),
-in turn by prompt index, unmodified: each is given the session's base URL as its API.
+a group per harness in turn as they are claimed (the n sessions of a group start from
+one prompt, so one harness renders them all), unmodified: each is given the session's base URL as its API.
 
     bash scripts/install_harnesses.sh          # build/harness-venv: the harnesses' pins
     python -m hpc_asyncppo.submit --cluster local --run-dir RUN data.task=tool_lookup \\
@@ -113,6 +114,8 @@ def exact_tokens(r: httpx.Response) -> dict:
                 found.update(token_ids=obj["token_ids"], token_versions=obj["token_versions"])
             if "prompt_token_ids" in obj:
                 found["prompt_token_ids"] = obj["prompt_token_ids"]
+            if obj.get("retried"):  # the same turn as a call before (the same call again)
+                found["retried"] = True
             for value in obj.values():
                 walk(value)
         elif isinstance(obj, list):
@@ -166,6 +169,7 @@ def main() -> int:
     headers = {"Authorization": f"Bearer {token}"}
     written = threading.Lock()
     ended = {name: 0 for name in args.harnesses}
+    harness_of: dict[str, str] = {}  # a group (its sessions' id prefix) -> its harness
 
     def loop() -> None:
         http = httpx.Client(timeout=None, limits=httpx.Limits(keepalive_expiry=2))
@@ -185,7 +189,10 @@ def main() -> int:
             idle = time.monotonic()
             k, session = claimed
             row, sid = session["row"], session["session_id"]
-            name = args.harnesses[row["index"] % len(args.harnesses)]
+            with written:  # each new group the next harness, in turn
+                name = harness_of.setdefault(
+                    session["session_id"].rsplit("-r", 1)[0],
+                    args.harnesses[len(harness_of) % len(args.harnesses)])  # fmt: skip
             e = Episode(row["messages"][-1]["content"],
                         row["tools_kwargs"]["lookup"]["create_kwargs"]["answer"])  # fmt: skip
             error = None

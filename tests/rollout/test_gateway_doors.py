@@ -291,6 +291,7 @@ def test_a_retry_gets_the_same_turn_and_a_sampling_field_the_runs_sampling(serve
     again = chat(served, sid, **body)
     assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
     assert again["choices"][0]["message"] == first["choices"][0]["message"]
+    assert again["hpc_asyncppo"]["retried"] is True and "retried" not in first["hpc_asyncppo"]
     assert served["sessions"].retried_calls == retried + 1
     gen, _, dropped, _, extra = finish(served, key, [sid])
     assert gen.response_ids.shape[0] == 1 and extra == {"gateway/overridden/temperature": 1.0}

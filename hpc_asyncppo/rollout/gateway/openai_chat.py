@@ -56,7 +56,7 @@ def _body(result: Result, model: str, kind: str, piece: Any) -> dict[str, Any]:
         ],
         "usage": usage(result),
     }
-    notes = result.call.notes() if result.call is not None else {}
+    notes = result.notes()
     if notes:
         body["hpc_asyncppo"] = notes
     return body
@@ -124,7 +124,7 @@ def chat_chunks(result: Result, model: str, piece: Any) -> list[dict[str, Any]]:
     last = chunk({}, result.answer.finish_reason, stop_reason=result.answer.stop_sequence,
                  **tokens(result))  # fmt: skip
     last.update(session_id=result.session, prompt_token_ids=result.prompt_ids)
-    notes = result.call.notes() if result.call is not None else {}
+    notes = result.notes()
     if notes:
         last["hpc_asyncppo"] = notes
     if include_usage:

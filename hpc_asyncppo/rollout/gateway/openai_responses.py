@@ -118,7 +118,7 @@ class ResponsesDoor:
 def exact(result: Result) -> dict[str, Any]:
     """The exact tokens (and what was not done as asked), for the doors whose API has no
     place for them."""
-    notes = result.call.notes() if result.call is not None else {}
+    notes = result.notes()
     return {"session_id": result.session, "prompt_token_ids": result.prompt_ids,
             "token_ids": result.token_ids, "token_logprobs": result.log_probs,
             "token_versions": result.versions, "stop_sequence": result.answer.stop_sequence,

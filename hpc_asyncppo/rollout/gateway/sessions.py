@@ -58,6 +58,7 @@ replayed or thrown away (as many).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import threading
@@ -100,6 +101,13 @@ class Result:
     log_probs: list[float]
     versions: list[int]
     call: Call | None = None
+    retried: bool = False  # the answer to the same call before, given again
+
+    def notes(self) -> dict[str, Any]:
+        """The answer's ``hpc_asyncppo`` extension: what was not done as asked, and whether
+        this is the answer a call before got (a retry: its tokens are trained once)."""
+        notes = self.call.notes() if self.call is not None else {}
+        return {**notes, "retried": True} if self.retried else notes
 
 
 @dataclass
@@ -382,7 +390,7 @@ class Sessions:
                 return
             if line.call is None and line.last is not None and line.last[0].same_request(call):
                 self.retried_calls += 1  # a retry after the answer
-                future.set_result(line.last[1])
+                future.set_result(dataclasses.replace(line.last[1], retried=True))
                 return
         for name in call.overridden:
             s.overridden[name] = s.overridden.get(name, 0) + 1
@@ -651,8 +659,9 @@ class Sessions:
 
     def _resolve(self, s: Session, call: Call, result: Result, future: Future) -> None:
         s.last = (call, result)
-        for f in [future, *s.retries]:
-            f.set_result(result)
+        future.set_result(result)
+        for f in s.retries:
+            f.set_result(dataclasses.replace(result, retried=True))
         s.retries = []
 
     def _end(self, engine: Any, s: Session, outcome: Any) -> None:
