@@ -11,7 +11,10 @@ one prompt, so one harness renders them all), unmodified: each is given the sess
     build/harness-venv/bin/python examples/harnesses/run_harnesses.py RUN --local \\
         --transcripts RUN/harnesses.jsonl
 
-Between the harnesses and the gateway sits a recording proxy (on 127.0.0.1): each call's
+It ends when the run's ranks are done (the run finished, or a stop signal stopped it:
+after ``submit --resume``, start it again; the sessions cut by the stop run again from
+their prompts, their calls answered from the checkpoint's recordings while they are the
+same). Between the harnesses and the gateway sits a recording proxy (on 127.0.0.1): each call's
 status and the exact tokens the gateway answered with (its ``token_ids`` and versions, in
 whichever API's shape the harness spoke) go into the session's transcript line, with the
 harness, its outcome and any error, so what each harness got back can be compared with
@@ -127,6 +130,17 @@ def exact_tokens(r: httpx.Response) -> dict:
     return found
 
 
+def run_ended(run_dir: Path) -> bool:
+    """Every rank of the run says it is done (RUN_DIR/ranks/rank{i}.json)."""
+    states = []
+    for path in run_dir.glob("ranks/rank*.json"):
+        try:
+            states.append(json.loads(path.read_text())["state"])
+        except (OSError, ValueError, KeyError):  # being written
+            return False
+    return bool(states) and all(state == "done" for state in states)
+
+
 def reward(e: Episode, calls: list[dict], words_of) -> float:
     first = words_of(calls[0].get("token_ids", [])) if calls else []
     prefix = 0
@@ -185,6 +199,8 @@ def main() -> int:
                     claimed = (k, r.json())
                     break
             if claimed is None:
+                if run_ended(args.run_dir):  # finished, or stopped: a resume starts agents anew
+                    return
                 continue
             idle = time.monotonic()
             k, session = claimed
