@@ -26,7 +26,8 @@ type is a 400 naming it: a string ``temperature`` is the client's bug, not the s
 
 The Responses and Messages doors translate their own fields into these names first
 (``max_output_tokens`` is ``max_tokens``, ``stop_sequences`` is ``stop``, ...), so every
-door shares this table.
+door shares this table. Here too: ``RequestError`` (a refusal, written in each API's error
+shape by ``server.py``) and ``normalize`` (chat messages as the sessions compare them).
 """
 
 from __future__ import annotations
