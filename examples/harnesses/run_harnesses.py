@@ -38,7 +38,11 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from harness_agents import HARNESSES, Episode  # noqa: E402
+
+from examples.external_agent import gateways as addresses  # noqa: E402
+from examples.external_agent import run_ended  # noqa: E402
 
 CALL_WORDS = ["<tool_call>", '{"name":"lookup","arguments":{}}</tool_call>']
 
@@ -130,17 +134,6 @@ def exact_tokens(r: httpx.Response) -> dict:
     return found
 
 
-def run_ended(run_dir: Path) -> bool:
-    """Every rank of the run says it is done (RUN_DIR/ranks/rank{i}.json)."""
-    states = []
-    for path in run_dir.glob("ranks/rank*.json"):
-        try:
-            states.append(json.loads(path.read_text())["state"])
-        except (OSError, ValueError, KeyError):  # being written
-            return False
-    return bool(states) and all(state == "done" for state in states)
-
-
 def reward(e: Episode, calls: list[dict], words_of) -> float:
     first = words_of(calls[0].get("token_ids", [])) if calls else []
     prefix = 0
@@ -175,10 +168,8 @@ def main() -> int:
     def words_of(ids: list[int]) -> list[str]:
         return [tokenizer.id_to_token(i) or "" for i in ids]
 
-    gateways = []
-    for path in sorted((args.run_dir / "gateway").glob("rank*.json")):
-        url = json.loads(path.read_text())["url"].removesuffix("/v1")
-        gateways.append("http://127.0.0.1:" + url.rsplit(":", 1)[1] if args.local else url)
+    gateways = [("http://127.0.0.1:" + url.rsplit(":", 1)[1] if args.local else url)
+                .removesuffix("/v1") for url in addresses(args.run_dir)]  # fmt: skip
     proxy = Proxy(gateways)
     headers = {"Authorization": f"Bearer {token}"}
     written = threading.Lock()
