@@ -30,6 +30,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--sessions", type=int, default=8, help="sessions the driver runs at once")
+    parser.add_argument("--harnesses", nargs="+", help="a subset (run_harnesses.py's names)")
     parser.add_argument("overrides", nargs="*", help="more key=value for the run")
     args = parser.parse_args()
     subprocess.run(["bash", "scripts/install_harnesses.sh"], cwd=REPO, check=True)
@@ -40,13 +41,14 @@ def main() -> int:
          str(run_dir), "data.task=tool_lookup", "data.agent=external",
          "rollout.response_length=12", "data.max_prompt_length=4096",
          f"trainer.total_steps={args.steps}", f"trainer.seed={args.seed}",
-         "actor.ppo_mini_batch_size=4", *args.overrides],
+         "actor.ppo_mini_batch_size=4", *args.overrides],  # overrides may set it again
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     driver = subprocess.run(
         [str(REPO / "build/harness-venv/bin/python"), "examples/harnesses/run_harnesses.py",
          str(run_dir), "--local", "--transcripts", str(transcripts),
-         "--sessions", str(args.sessions), "--wait-s", "120"],
+         "--sessions", str(args.sessions), "--wait-s", "120",
+         *(["--harnesses", *args.harnesses] if args.harnesses else [])],
         cwd=REPO, capture_output=True, text=True,
     )  # fmt: skip
     _, err = run.communicate()

@@ -21,6 +21,7 @@ os.environ.setdefault("MSWEA_CONFIGURED", "true")  # mini-swe-agent: no first-ru
 
 DESCRIPTION = "Look up the answer to the question"
 PARAMETERS = {"type": "object", "properties": {}}
+TIMEOUT_S = 120  # each call's, as every client takes one: no wait is unbounded
 
 
 @dataclass
@@ -50,7 +51,9 @@ def openai_agents_responses(base_url: str, key: str, e: Episode) -> None:
     def lookup() -> str:
         return e.lookup()
 
-    model = OpenAIResponsesModel("policy", AsyncOpenAI(base_url=base_url, api_key=key))
+    model = OpenAIResponsesModel(
+        "policy", AsyncOpenAI(base_url=base_url, api_key=key, timeout=TIMEOUT_S)
+    )
     agent = Agent(name="lookup agent", tools=[lookup], model=model)
     try:
         e.final = str(Runner.run_sync(agent, e.question, max_turns=3).final_output)
@@ -80,7 +83,9 @@ def openai_agents_chat_structured(base_url: str, key: str, e: Episode) -> None:
     def lookup() -> str:
         return e.lookup()
 
-    model = OpenAIChatCompletionsModel("policy", AsyncOpenAI(base_url=base_url, api_key=key))
+    model = OpenAIChatCompletionsModel(
+        "policy", AsyncOpenAI(base_url=base_url, api_key=key, timeout=TIMEOUT_S)
+    )
     agent = Agent(name="lookup agent", tools=[lookup], model=model, output_type=Answer)
     try:
         e.final = Runner.run_sync(agent, e.question, max_turns=3).final_output.answer
@@ -100,7 +105,8 @@ def langgraph_react(base_url: str, key: str, e: Episode) -> None:
         """Look up the answer to the question."""
         return e.lookup()
 
-    model = ChatOpenAI(model="policy", base_url=base_url, api_key=key, max_retries=0)
+    model = ChatOpenAI(model="policy", base_url=base_url, api_key=key, max_retries=0,
+                       timeout=TIMEOUT_S)  # fmt: skip
     agent = create_react_agent(model, [lookup])
     try:
         out = agent.invoke({"messages": [("user", e.question)]}, {"recursion_limit": 6})
@@ -128,7 +134,8 @@ def smolagents_tool_calling(base_url: str, key: str, e: Episode) -> None:
     """smolagents' ``ToolCallingAgent`` on ``OpenAIServerModel``."""
     from smolagents import OpenAIServerModel, ToolCallingAgent
 
-    model = OpenAIServerModel(model_id="policy", api_base=base_url, api_key=key)
+    model = OpenAIServerModel(model_id="policy", api_base=base_url, api_key=key,
+                              client_kwargs={"timeout": TIMEOUT_S})  # fmt: skip
     agent = ToolCallingAgent(tools=[_smolagents_lookup(e)], model=model, max_steps=2,
                              verbosity_level=0)  # fmt: skip
     e.final = str(agent.run(e.question))
@@ -138,7 +145,8 @@ def smolagents_code(base_url: str, key: str, e: Episode) -> None:
     """smolagents' ``CodeAgent`` (its stop sequences end the model's turn)."""
     from smolagents import CodeAgent, OpenAIServerModel
 
-    model = OpenAIServerModel(model_id="policy", api_base=base_url, api_key=key)
+    model = OpenAIServerModel(model_id="policy", api_base=base_url, api_key=key,
+                              client_kwargs={"timeout": TIMEOUT_S})  # fmt: skip
     agent = CodeAgent(tools=[_smolagents_lookup(e)], model=model, max_steps=2,
                       verbosity_level=0)  # fmt: skip
     e.final = str(agent.run(e.question))
@@ -168,7 +176,7 @@ def litellm_tools(base_url: str, key: str, e: Episode) -> None:
 
     def create(messages: list[dict]) -> dict:
         out = litellm.completion(model="openai/policy", api_base=base_url, api_key=key,
-                                 messages=messages, tools=tools)  # fmt: skip
+                                 messages=messages, tools=tools, timeout=TIMEOUT_S)  # fmt: skip
         return out.choices[0].message.model_dump(exclude_none=True)
 
     _tool_loop(create, e)
@@ -179,7 +187,7 @@ def anthropic_tools(base_url: str, key: str, e: Episode, stream: bool = False) -
     import anthropic
 
     client = anthropic.Anthropic(base_url=base_url.removesuffix("/v1"), api_key=key,
-                                 max_retries=0)  # fmt: skip
+                                 max_retries=0, timeout=TIMEOUT_S)  # fmt: skip
     tools = [{"name": "lookup", "description": DESCRIPTION, "input_schema": PARAMETERS}]
     messages: list[dict] = [{"role": "user", "content": e.question}]
     for _ in range(3):
@@ -212,7 +220,8 @@ def miniswe(base_url: str, key: str, e: Episode) -> None:
 
     litellm.suppress_debug_info = True
     model = LitellmModel(model_name="openai/policy", cost_tracking="ignore_errors",
-                         model_kwargs={"api_base": base_url, "api_key": key})  # fmt: skip
+                         model_kwargs={"api_base": base_url, "api_key": key,
+                                       "timeout": TIMEOUT_S})  # fmt: skip
     messages: list[dict] = [{"role": "user", "content": e.question}]
     for _ in range(2):
         try:
