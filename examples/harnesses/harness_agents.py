@@ -130,26 +130,24 @@ def _smolagents_lookup(e: Episode):
     return Lookup()
 
 
-def smolagents_tool_calling(base_url: str, key: str, e: Episode) -> None:
-    """smolagents' ``ToolCallingAgent`` on ``OpenAIServerModel``."""
-    from smolagents import OpenAIServerModel, ToolCallingAgent
+def _smolagents(kind: str, base_url: str, key: str, e: Episode) -> None:
+    """smolagents' ``ToolCallingAgent`` or ``CodeAgent`` (its stop sequences end the
+    model's turn) on ``OpenAIServerModel``."""
+    import smolagents
 
-    model = OpenAIServerModel(model_id="policy", api_base=base_url, api_key=key,
-                              client_kwargs={"timeout": TIMEOUT_S})  # fmt: skip
-    agent = ToolCallingAgent(tools=[_smolagents_lookup(e)], model=model, max_steps=2,
-                             verbosity_level=0)  # fmt: skip
+    model = smolagents.OpenAIServerModel(model_id="policy", api_base=base_url, api_key=key,
+                                         client_kwargs={"timeout": TIMEOUT_S})  # fmt: skip
+    agent = getattr(smolagents, kind)(tools=[_smolagents_lookup(e)], model=model, max_steps=2,
+                                      verbosity_level=0)  # fmt: skip
     e.final = str(agent.run(e.question))
+
+
+def smolagents_tool_calling(base_url: str, key: str, e: Episode) -> None:
+    _smolagents("ToolCallingAgent", base_url, key, e)
 
 
 def smolagents_code(base_url: str, key: str, e: Episode) -> None:
-    """smolagents' ``CodeAgent`` (its stop sequences end the model's turn)."""
-    from smolagents import CodeAgent, OpenAIServerModel
-
-    model = OpenAIServerModel(model_id="policy", api_base=base_url, api_key=key,
-                              client_kwargs={"timeout": TIMEOUT_S})  # fmt: skip
-    agent = CodeAgent(tools=[_smolagents_lookup(e)], model=model, max_steps=2,
-                      verbosity_level=0)  # fmt: skip
-    e.final = str(agent.run(e.question))
+    _smolagents("CodeAgent", base_url, key, e)
 
 
 def _tool_loop(create: Callable[[list[dict]], dict], e: Episode) -> None:

@@ -117,7 +117,7 @@ def chat_chunks(result: Result, model: str, piece: Any) -> list[dict[str, Any]]:
     if message.get("reasoning_content"):
         out.append(chunk({"reasoning_content": message["reasoning_content"]}))
     if message.get("content"):
-        out.append(chunk({"content": message["content"]}, logprobs=None))
+        out.append(chunk({"content": message["content"]}))
         out[-1]["choices"][0]["logprobs"] = logprobs(result, piece, chat=True)
     for k, call in enumerate(message.get("tool_calls", [])):
         out.append(chunk({"tool_calls": [{"index": k, **call}]}))
