@@ -12,7 +12,9 @@ content (the text around the calls) and the calls, in order.
 
 ``opening`` is the text a turn starts with when a call is required (``tool_choice``
 required or named): the gateway puts it at the turn's start, as context, and the model
-writes the rest. ``auto`` picks the parser from the markers the model's chat template
+writes the rest. ``before_call`` is what of a turn's text so far is surely content, the
+text before where a call could begin (what a streamed answer may send before the turn
+ends). ``auto`` picks the parser from the markers the model's chat template
 writes. A block that cannot be read stays in the content: the agent sees what the model
 wrote.
 """
@@ -32,6 +34,25 @@ class ToolParser:
     name: str
     parse: Callable[[str], tuple[str, list[ToolCall]]]
     opening: str  # what a required call's turn starts with
+    before_call: Callable[[str], str]  # a turn's text so far: what is surely content
+
+
+def held_before(marker: str) -> Callable[[str], str]:
+    """The text before ``marker``, or, with none yet, all but an end that may begin it."""
+
+    def before(text: str) -> str:
+        at = text.find(marker)
+        if at >= 0:
+            return text[:at]
+        return text[: len(text) - _partial(text, marker)]
+
+    return before
+
+
+def _partial(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker``."""
+    return next((k for k in range(min(len(marker) - 1, len(text)), 0, -1)
+                 if marker.startswith(text[-k:])), 0)  # fmt: skip
 
 
 def _hermes(text: str) -> tuple[str, list[ToolCall]]:
@@ -75,6 +96,15 @@ def _llama3_json(text: str) -> tuple[str, list[ToolCall]]:
     return "", calls
 
 
+def _llama3_before_call(text: str) -> str:
+    """A turn is calls or content, from its start: content once it starts otherwise."""
+    body = text.lstrip()
+    tag = "<|python_tag|>"
+    if not body or body.startswith(("{", tag)) or tag.startswith(body):
+        return ""
+    return text
+
+
 _MISTRAL_NAMED = re.compile(r"([A-Za-z0-9_\-.]+)\[ARGS\]")
 
 
@@ -107,9 +137,9 @@ def _mistral(text: str) -> tuple[str, list[ToolCall]]:
 
 
 PARSERS = {
-    "hermes": ToolParser("hermes", _hermes, "<tool_call>"),
-    "llama3_json": ToolParser("llama3_json", _llama3_json, '{"name": "'),
-    "mistral": ToolParser("mistral", _mistral, "[TOOL_CALLS]"),
+    "hermes": ToolParser("hermes", _hermes, "<tool_call>", held_before("<tool_call>")),
+    "llama3_json": ToolParser("llama3_json", _llama3_json, '{"name": "', _llama3_before_call),
+    "mistral": ToolParser("mistral", _mistral, "[TOOL_CALLS]", held_before("[TOOL_CALLS]")),
 }
 
 

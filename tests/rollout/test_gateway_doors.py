@@ -2,7 +2,8 @@
 libraries really sent (``fixtures/harnesses/``, each with the version that sent it), the
 Responses and Messages round trips, and each point of the field table (``requests.py``):
 retries, a sampling field overridden, ``tool_choice`` required and named, two calls in one
-turn, a ``<think>`` turn, stop strings, ``logprobs``, usage in its own streamed chunk.
+turn, a ``<think>`` turn, stop strings, ``logprobs``, usage in its own streamed chunk; and
+streaming on every door as the engine makes the turn (``stepped``: a token a step).
 
 The tiny lookup model is a machine whose turns are known (``bigram``): after ``=`` it
 writes the lookup call and then a second call, one word long, then EOS; after ``ponder`` a
@@ -14,6 +15,7 @@ tokens of the conversation it ended with.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -41,16 +43,17 @@ LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "the
                                            "parameters": {"type": "object", "properties": {}}}}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("doors")
+def serve(root: Path, **rollout):
+    """The tiny lookup machine behind a gateway, its loop running (``rollout``: the
+    engine's settings beside the width)."""
     task = ToolLookupTask(DataConfig(num_prompts=8))
     model_dir = build_tiny_model(root / "model", task.vocabulary() + WORDS, TinyModelConfig(),
                                  3, CHAT_TEMPLATE)  # fmt: skip
     bigram(model_dir, {"=": CALL[0], CALL[0]: CALL[1], CALL[1]: SECOND, "ponder": "<think>",
                        "<think>": "hmm", "hmm": "</think>", "</think>": "7", "tell": "said",
                        "said": "Observation:", "Observation:": "said"})  # fmt: skip
-    engine = HFEngine(ModelConfig(path=str(model_dir)), RolloutConfig(response_length=WIDTH),
+    engine = HFEngine(ModelConfig(path=str(model_dir)),
+                      RolloutConfig(response_length=WIDTH, **rollout),
                       __import__("torch").device("cpu"))  # fmt: skip
     engine.version = 3
     # long prompts: the harnesses' own system prompts (smolagents': 8.8 KB)
@@ -66,6 +69,17 @@ def served(tmp_path_factory):
     loop.halt = True
     loop.join(timeout=HANG_S)
     gateway.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    yield from serve(tmp_path_factory.mktemp("doors"))
+
+
+@pytest.fixture(scope="module")
+def stepped(tmp_path_factory):
+    """The same, its engine stepping one token at a time (``rollout.hf_step_tokens=1``)."""
+    yield from serve(tmp_path_factory.mktemp("stepped"), hf_step_tokens=1)
 
 
 def post(served, path: str, body, headers=None) -> httpx.Response:
@@ -429,3 +443,128 @@ def test_two_calls_at_once_in_one_session_each_go_on_in_their_own_sequence(serve
     own = [main[0], {"role": "assistant", "content": " ".join(CALL)},
            {"role": "tool", "content": "7"}, {"role": "assistant", "content": ""}]  # fmt: skip
     assert trained(served, gen, prompt_ids, 0, own)[-1] == served["engine"].eos_id
+
+
+# --- streaming: pieces as the engine makes them -------------------------------------------
+
+
+def test_a_streamed_answer_is_sent_while_the_engine_makes_the_turn(stepped):
+    """The engine held before its second step of the turn: the first piece is already
+    out. Let go, the rest follows a piece a step, and the pieces are the answer's text."""
+    engine = stepped["engine"]
+    key = ("held", 0)
+    [sid] = open_one(stepped, key, 0)
+    step, held, release, steps = engine.step, threading.Event(), threading.Event(), []
+
+    def held_at_second():
+        if len(steps) == 1:
+            held.set()
+            release.wait(HANG_S)
+        steps.append(1)
+        return step()
+
+    engine.step = held_at_second  # the loop looks it up each pass
+    body = {"model": "policy", "stream": True,
+            "messages": [{"role": "user", "content": "question tell"}]}  # fmt: skip
+    headers = {"Authorization": f"Bearer {stepped['token']}"}
+    chunks = []
+    try:
+        with httpx.stream("POST", f"{stepped['url']}/sessions/{sid}/v1/chat/completions",
+                          json=body, headers=headers, timeout=HANG_S) as r:  # fmt: skip
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[len("data: ") :]))
+                    if chunks[-1]["choices"][0]["delta"].get("content"):
+                        break
+            assert held.is_set() and len(engine.groups[key].responses[0].tokens) == 1
+            assert chunks[-1]["choices"][0]["delta"]["content"] == "said"
+            release.set()
+            chunks += [json.loads(x[len("data: ") :]) for x in lines if x.startswith("data: {")]
+    finally:
+        release.set()
+        del engine.step
+    pieces = [c["choices"][0]["delta"]["content"] for c in chunks[1:-1]]
+    last = chunks[-1]["choices"][0]
+    assert last["finish_reason"] == "length" and len(pieces) == len(last["token_ids"]) == WIDTH
+    assert "".join(pieces) == engine.tokenizer.decode(last["token_ids"]).strip()
+    finish(stepped, key, [sid])
+
+
+def streamed(served, sid: str, door: str, user: str, **extra) -> list[tuple[str | None, dict]]:
+    bodies = {
+        "chat/completions": {"messages": [{"role": "user", "content": user}]},
+        "completions": {"prompt": user},
+        "responses": {"input": user},
+        "messages": {"max_tokens": 64, "messages": [{"role": "user", "content": user}]},
+    }  # fmt: skip
+    r = post(served, f"/sessions/{sid}/v1/{door}",
+             {"model": "policy", "stream": True, **bodies[door], **extra})  # fmt: skip
+    assert r.status_code == 200, r.text
+    return sse(r)
+
+
+@pytest.mark.parametrize("door", ["chat/completions", "completions", "responses", "messages"])
+def test_a_streamed_think_turn_sends_its_reasoning_then_its_content(stepped, door):
+    """``<think> hmm </think> 7``, a token a step: each door sends the reasoning as it
+    comes, then the content, in its own events; the pieces are the answer's."""
+    key = ("stream-think", door)
+    [sid] = open_one(stepped, key, 5)
+    events = streamed(stepped, sid, door, "question ponder")
+    if door == "chat/completions":
+        deltas = [d["choices"][0]["delta"] for _, d in events[1:-1]]
+        assert deltas == [{"reasoning_content": "hmm"}, {"content": "7"}]
+        assert events[-1][1]["choices"][0]["finish_reason"] == "stop"
+    elif door == "completions":
+        pieces = [d["choices"][0]["text"] for _, d in events]
+        assert pieces == ["<think>", " hmm", " </think>", " 7", ""]
+    elif door == "responses":
+        deltas = [(name, d["delta"], d["output_index"]) for name, d in events
+                  if name.endswith(".delta")]  # fmt: skip
+        assert deltas == [("response.reasoning_text.delta", "hmm", 0),
+                          ("response.output_text.delta", "7", 1)]  # fmt: skip
+        done = [d["item"] for name, d in events if name == "response.output_item.done"]
+        response = events[-1][1]["response"]
+        assert events[-1][0] == "response.completed" and done == response["output"]
+        assert [i["type"] for i in done] == ["reasoning", "message"]
+        assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+    else:
+        blocks = [(d["index"], d["delta"]) for name, d in events if name == "content_block_delta"]
+        assert blocks == [(0, {"type": "thinking_delta", "thinking": "hmm"}),
+                          (1, {"type": "text_delta", "text": "7"})]  # fmt: skip
+        assert [n for n, _ in events].count("content_block_stop") == 2
+        assert events[-2][1]["delta"]["stop_reason"] == "end_turn"
+    finish(stepped, key, [sid])
+
+
+def test_a_streamed_tool_call_turn_sends_no_call_text_as_content(stepped):
+    """The lookup call and a second one, a token a step: none of their text goes out as
+    content; the calls come whole when the turn ends."""
+    key = ("stream-calls", 6)
+    [sid] = open_one(stepped, key, 6)
+    events = streamed(stepped, sid, "chat/completions", stepped["task"].prompts()[6].text,
+                      tools=[LOOKUP])  # fmt: skip
+    deltas = [d["choices"][0]["delta"] for _, d in events]
+    assert not any(d.get("content") for d in deltas)
+    calls = [c["function"] for d in deltas for c in d.get("tool_calls", [])]
+    assert [json.loads(c["arguments"]) for c in calls] == [{}, {"k": 2}]
+    finish(stepped, key, [sid])
+
+
+@pytest.mark.parametrize("door", ["chat/completions", "completions", "responses", "messages"])
+def test_a_streamed_empty_turn_starts_and_ends_as_each_api_does(served, door):
+    """A turn that is only EOS (nothing to stream before its end): the whole stream,
+    from its first event to its last, at once."""
+    key = ("stream-empty", door)
+    [sid] = open_one(served, key, 7)
+    events = streamed(served, sid, door, "question")
+    if door == "chat/completions":
+        assert events[0][1]["choices"][0]["delta"]["role"] == "assistant"
+        assert events[-1][1]["choices"][0]["finish_reason"] == "stop"
+    elif door == "completions":
+        assert [d["choices"][0]["finish_reason"] for _, d in events] == ["stop"]
+    else:
+        first_last = {"responses": ("response.created", "response.completed"),
+                      "messages": ("message_start", "message_stop")}  # fmt: skip
+        assert (events[0][0], events[-1][0]) == first_last[door]
+    finish(served, key, [sid])

@@ -13,8 +13,8 @@ calls; a user turn's ``tool_result`` blocks as tool messages, before its text;
 Out: a ``message`` with content blocks (``thinking`` for ``<think>`` text, ``text``,
 ``tool_use`` per call with the session's ids), ``stop_reason`` (``end_turn``,
 ``tool_use``, ``max_tokens``, ``stop_sequence`` with the string), usage; with
-``stream: true`` Anthropic's events (message_start, content_block_start/delta/stop,
-message_delta, message_stop). The exact tokens are under ``hpc_asyncppo``. Errors come in
+``stream: true`` Anthropic's events as the turn grows (``MessageStream``: message_start,
+content_block_start/delta/stop, message_delta, message_stop). The exact tokens are under ``hpc_asyncppo``. Errors come in
 Anthropic's shape (``{"type": "error", "error": {...}}``: ``server.py``).
 """
 
@@ -27,6 +27,7 @@ from typing import Any
 from hpc_asyncppo.rollout.gateway.openai_responses import exact
 from hpc_asyncppo.rollout.gateway.requests import Call, Fields, RequestError, function_tool
 from hpc_asyncppo.rollout.gateway.sessions import Result
+from hpc_asyncppo.rollout.gateway.streaming import REASONING
 
 STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}
 _READ = {"system", "messages", "tools", "tool_choice", "stop_sequences", "max_tokens"}
@@ -126,33 +127,74 @@ def message_body(result: Result, model: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def events(message: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """``message`` as Anthropic's streaming events."""
-    start = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
-             "usage": {**message["usage"], "output_tokens": 0}}  # fmt: skip
-    out = [("message_start", {"type": "message_start", "message": start})]
-    for i, block in enumerate(message["content"]):
-        if block["type"] == "text":
-            opened, delta = {"type": "text", "text": ""}, {"type": "text_delta",
-                                                           "text": block["text"]}  # fmt: skip
-        elif block["type"] == "thinking":
-            opened = {"type": "thinking", "thinking": "", "signature": ""}
-            delta = {"type": "thinking_delta", "thinking": block["thinking"]}
-        else:
-            opened = {**block, "input": {}}
-            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-        out.append(("content_block_start", {"type": "content_block_start", "index": i,
-                                            "content_block": opened}))  # fmt: skip
-        out.append(("content_block_delta", {"type": "content_block_delta", "index": i,
-                                            "delta": delta}))  # fmt: skip
-        out.append(("content_block_stop", {"type": "content_block_stop", "index": i}))
-    out.append(("message_delta", {"type": "message_delta",
-                                  "delta": {"stop_reason": message["stop_reason"],
-                                            "stop_sequence": message["stop_sequence"]},
-                                  "usage": {"output_tokens": message["usage"]["output_tokens"]},
-                                  "hpc_asyncppo": message["hpc_asyncppo"]}))  # fmt: skip
-    out.append(("message_stop", {"type": "message_stop"}))
-    return out
+class MessageStream:
+    """A streamed message, as Anthropic's events: ``message_start``, a thinking block and a
+    text block opened as their text comes (``thinking_delta``, ``text_delta``), each
+    stopped when the next begins or the turn ends, a ``tool_use`` block per call, then
+    ``message_delta`` (the stop reason, usage, the exact tokens) and ``message_stop``."""
+
+    done = False
+
+    def __init__(self, model: str):
+        self.model = model
+        self.id = f"msg_{uuid.uuid4().hex}"
+        self.blocks: list[str] = []  # the kinds of the blocks opened, in order
+        self.open = False
+
+    def start(self, prompt_tokens: int) -> list[tuple[str, dict[str, Any]]]:
+        start = {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                 "content": [], "stop_reason": None, "stop_sequence": None,
+                 "usage": {"input_tokens": prompt_tokens, "output_tokens": 0,
+                           "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}  # fmt: skip
+        return [("message_start", {"type": "message_start", "message": start})]
+
+    def pieces(self, pieces: list[tuple[str, str]]) -> list[tuple[str, dict[str, Any]]]:
+        out = []
+        for kind, text in pieces:
+            if not self.open or self.blocks[-1] != kind:
+                out += self._stop()
+                self.blocks.append(kind)
+                self.open = True
+                block = ({"type": "thinking", "thinking": "", "signature": ""}
+                         if kind == REASONING else {"type": "text", "text": ""})  # fmt: skip
+                out.append(self._event("content_block_start", content_block=block))
+            delta = ({"type": "thinking_delta", "thinking": text} if kind == REASONING
+                     else {"type": "text_delta", "text": text})  # fmt: skip
+            out.append(self._event("content_block_delta", delta=delta))
+        return out
+
+    def _event(self, kind: str, **data: Any) -> tuple[str, dict[str, Any]]:
+        return kind, {"type": kind, "index": len(self.blocks) - 1, **data}
+
+    def _stop(self) -> list[tuple[str, dict[str, Any]]]:
+        if not self.open:
+            return []
+        self.open = False
+        return [self._event("content_block_stop")]
+
+    def finish(self, result: Result, rest: list[tuple[str, str]]
+               ) -> list[tuple[str, dict[str, Any]]]:  # fmt: skip
+        out = self.pieces(rest)
+        out += self._stop()
+        message = message_body(result, self.model)
+        for block in message["content"][len(self.blocks) :]:
+            if block["type"] != "tool_use":
+                continue
+            self.blocks.append("tool_use")
+            out.append(self._event("content_block_start", content_block={**block, "input": {}}))
+            out.append(self._event("content_block_delta", delta={
+                "type": "input_json_delta", "partial_json": json.dumps(block["input"])}))  # fmt: skip
+            out.append(self._event("content_block_stop"))
+        out.append(("message_delta", {"type": "message_delta",
+                                      "delta": {"stop_reason": message["stop_reason"],
+                                                "stop_sequence": message["stop_sequence"]},
+                                      "usage": {"output_tokens": message["usage"]["output_tokens"]},
+                                      "hpc_asyncppo": message["hpc_asyncppo"]}))  # fmt: skip
+        out.append(("message_stop", {"type": "message_stop"}))
+        return out
+
+    def error(self, exc: RequestError) -> list[tuple[str, dict[str, Any]]]:
+        return [("error", exc.anthropic_body())]
 
 
 def _text(content: Any, where: str) -> str:

@@ -164,7 +164,7 @@ class Conversation:
 
     # --- the model's turn out -----------------------------------------------------------------
     def answer(self, tokens: list[int], cut: bool, room_left: bool,
-               call: Call | None = None) -> Answer:  # fmt: skip
+               call: Call | None = None, thinking: bool = False) -> Answer:  # fmt: skip
         """The model's turn (its ``tokens``: sampled, after any opening the gateway put at
         its start) as an answer; the conversation takes it. ``cut``: the turn stopped at
         the room's end or the call's ``max_tokens``; ``room_left``: more tokens fit after
@@ -172,7 +172,8 @@ class Conversation:
         at the token that completed it); ``<think>`` text is the answer's reasoning; tool
         calls are read in the parser's format unless ``tool_choice`` is none. A tool call
         with no room left for its answer (cut, or ending exactly at the room's end) is
-        shown, with "length"."""
+        shown, with "length". ``thinking``: the chat template opened a ``<think>`` block
+        before the turn (``opened_thinking``)."""
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         stop_sequence = None
         if call is not None and call.stop:
@@ -187,7 +188,7 @@ class Conversation:
             self.text += text
             return Answer({"role": "assistant", "content": text}, text, finish,
                           stop_sequence=stop_sequence)  # fmt: skip
-        reasoning, said = split_reasoning(text)
+        reasoning, said = split_reasoning(text, thinking)
         content, calls = said.strip(), []
         if self.tools and (call is None or call.tool_choice != "none"):
             content, calls = self.parser.parse(said)
@@ -205,10 +206,20 @@ class Conversation:
         return Answer(message, text, finish, reasoning.strip(), stop_sequence)
 
 
-def split_reasoning(text: str) -> tuple[str, str]:
+def split_reasoning(text: str, opened: bool = False) -> tuple[str, str]:
     """A turn's reasoning (``<think>...</think>``, or up to ``</think>`` where the chat
-    template opened the block itself) and the rest."""
+    template opened the block itself: ``opened``) and the rest. A block never closed (the
+    turn cut while thinking) is all reasoning."""
     if "</think>" not in text:
+        if opened or text.lstrip().startswith("<think>"):
+            return text.replace("<think>", "", 1), ""
         return "", text
     thought, _, rest = text.partition("</think>")
     return thought.replace("<think>", "", 1), rest
+
+
+def opened_thinking(tokenizer: Any, context: list[int]) -> bool:
+    """The chat template opened a ``<think>`` block at the end of ``context`` (the model's
+    turn starts inside it: Qwen3's thinking models, DeepSeek-R1)."""
+    tail = tokenizer.decode(context[-8:], skip_special_tokens=False)
+    return tail.rstrip().endswith("<think>")

@@ -10,7 +10,8 @@ for an opening the gateway put at the turn's start). ``logprobs: true`` adds Ope
 ``choice.logprobs.content`` (each token's text, log-prob and bytes; ``top_logprobs`` is
 empty: the engines keep the sampled token's log-prob, not its rivals'). The reasoning of a
 ``<think>`` turn is ``message.reasoning_content``; what the gateway did not do as asked is
-under ``hpc_asyncppo`` (``Call.notes``).
+under ``hpc_asyncppo`` (``Call.notes``). With ``stream: true`` the answer comes in chunks
+as the turn grows (``ChatStream``, ``CompletionStream``; ``streaming.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import uuid
 from typing import Any
 
 from hpc_asyncppo.rollout.gateway.chat import openai_message
+from hpc_asyncppo.rollout.gateway.requests import Call, RequestError
 from hpc_asyncppo.rollout.gateway.sessions import Result
+from hpc_asyncppo.rollout.gateway.streaming import CONTENT, REASONING
 
 
 def chat_body(result: Result, model: str, piece: Any) -> dict[str, Any]:
@@ -97,40 +100,82 @@ def logprobs(result: Result, piece: Any, chat: bool) -> dict[str, Any] | None:
             "top_logprobs": [{} for _ in texts], "text_offset": offsets}  # fmt: skip
 
 
-def chat_chunks(result: Result, model: str, piece: Any) -> list[dict[str, Any]]:
-    """The answer as ``chat.completion.chunk`` events: the role, the reasoning, the text,
-    the tool calls, then the finish reason (with the exact tokens; usage there, or in a
-    last chunk of its own with no choices when ``stream_options.include_usage``)."""
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": model}  # fmt: skip
-    message = message_of(result)
-    include_usage = result.call is not None and result.call.include_usage
+class ChatStream:
+    """A streamed chat answer (``streaming.py``): the role first, then
+    ``chat.completion.chunk`` events with the reasoning and content as the turn grows,
+    the tool calls, and the finish reason with the exact tokens and the log-probs (usage
+    there, or in a last chunk of its own with no choices when
+    ``stream_options.include_usage``)."""
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
-        out = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                    "logprobs": None, **extra}]}  # fmt: skip
-        if include_usage:
+    done = True  # the stream ends with data: [DONE]
+
+    def __init__(self, model: str, piece: Any, call: Call):
+        self.piece, self.include_usage = piece, call.include_usage
+        self.base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+                     "created": int(time.time()), "model": model}  # fmt: skip
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None,
+               **extra: Any) -> dict[str, Any]:  # fmt: skip
+        out = {**self.base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                         "logprobs": None, **extra}]}  # fmt: skip
+        if self.include_usage:
             out["usage"] = None
         return out
 
-    out = [chunk({"role": "assistant", "content": ""})]
-    if message.get("reasoning_content"):
-        out.append(chunk({"reasoning_content": message["reasoning_content"]}))
-    if message.get("content"):
-        out.append(chunk({"content": message["content"]}))
-        out[-1]["choices"][0]["logprobs"] = logprobs(result, piece, chat=True)
-    for k, call in enumerate(message.get("tool_calls", [])):
-        out.append(chunk({"tool_calls": [{"index": k, **call}]}))
-    last = chunk({}, result.answer.finish_reason, stop_reason=result.answer.stop_sequence,
-                 **tokens(result))  # fmt: skip
-    last.update(session_id=result.session, prompt_token_ids=result.prompt_ids)
-    notes = result.notes()
-    if notes:
-        last["hpc_asyncppo"] = notes
-    if include_usage:
-        out.append(last)
-        out.append({**base, "choices": [], "usage": usage(result)})
-    else:
-        last["usage"] = usage(result)
-        out.append(last)
-    return out
+    def start(self, prompt_tokens: int) -> list[tuple[str | None, dict[str, Any]]]:
+        return [(None, self._chunk({"role": "assistant", "content": ""}))]
+
+    def pieces(self, pieces: list[tuple[str, str]]) -> list[tuple[str | None, dict[str, Any]]]:
+        names = {REASONING: "reasoning_content", CONTENT: "content"}
+        return [(None, self._chunk({names[kind]: text})) for kind, text in pieces]
+
+    def finish(self, result: Result, rest: list[tuple[str, str]]
+               ) -> list[tuple[str | None, dict[str, Any]]]:  # fmt: skip
+        out = self.pieces(rest)
+        for k, call in enumerate(message_of(result).get("tool_calls", [])):
+            out.append((None, self._chunk({"tool_calls": [{"index": k, **call}]})))
+        last = self._chunk({}, result.answer.finish_reason,
+                           stop_reason=result.answer.stop_sequence, **tokens(result))  # fmt: skip
+        last["choices"][0]["logprobs"] = logprobs(result, self.piece, chat=True)
+        last.update(session_id=result.session, prompt_token_ids=result.prompt_ids)
+        notes = result.notes()
+        if notes:
+            last["hpc_asyncppo"] = notes
+        out.append((None, last))
+        if self.include_usage:
+            out.append((None, {**self.base, "choices": [], "usage": usage(result)}))
+        else:
+            last["usage"] = usage(result)
+        return out
+
+    def error(self, exc: RequestError) -> list[tuple[str | None, dict[str, Any]]]:
+        return [(None, exc.body())]
+
+
+class CompletionStream:
+    """A streamed completion: ``text_completion`` chunks with the text as the turn grows,
+    then one with the finish reason, the exact tokens, the log-probs and usage."""
+
+    done = True
+
+    def __init__(self, model: str, piece: Any, call: Call):
+        self.model, self.piece = model, piece
+        self.base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                     "created": int(time.time()), "model": model}  # fmt: skip
+
+    def start(self, prompt_tokens: int) -> list[tuple[str | None, dict[str, Any]]]:
+        return []
+
+    def pieces(self, pieces: list[tuple[str, str]]) -> list[tuple[str | None, dict[str, Any]]]:
+        return [(None, {**self.base, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                                   "finish_reason": None}]})
+                for _, text in pieces]  # fmt: skip
+
+    def finish(self, result: Result, rest: list[tuple[str, str]]
+               ) -> list[tuple[str | None, dict[str, Any]]]:  # fmt: skip
+        last = {**_body(result, self.model, "completion", self.piece), **self.base}
+        last["choices"][0]["text"] = ""
+        return [*self.pieces(rest), (None, last)]
+
+    def error(self, exc: RequestError) -> list[tuple[str | None, dict[str, Any]]]:
+        return [(None, exc.body())]

@@ -15,7 +15,8 @@ conversations, ``STORED`` of them per rank).
 Out: a ``response`` object (``output``: a ``reasoning`` item for ``<think>`` text, a
 ``message`` item with the text, a ``function_call`` item per call, ids the session makes;
 ``status`` incomplete with ``max_output_tokens`` where the turn ended with "length"), or
-with ``stream: true`` the Responses streaming events, ending with ``response.completed``.
+with ``stream: true`` the Responses streaming events as the turn grows (``ResponseStream``),
+ending with ``response.completed``.
 The exact tokens are under ``hpc_asyncppo``.
 """
 
@@ -31,6 +32,7 @@ from typing import Any
 from hpc_asyncppo.rollout.gateway.chat import openai_message
 from hpc_asyncppo.rollout.gateway.requests import Call, Fields, RequestError, function_tool
 from hpc_asyncppo.rollout.gateway.sessions import Result
+from hpc_asyncppo.rollout.gateway.streaming import CONTENT, REASONING
 
 STORED = 1024  # conversations kept for previous_response_id, per rank
 # the Responses fields read here; the rest go through the chat table as they are
@@ -80,29 +82,21 @@ class ResponsesDoor:
         return call, messages
 
     def body(self, result: Result, model: str, messages: list[dict[str, Any]],
-             request: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
-        """The ``response`` object; its conversation is kept for previous_response_id."""
-        rid = f"resp_{uuid.uuid4().hex}"
+             request: dict[str, Any], rid: str | None = None,
+             ids: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+        """The ``response`` object; its conversation is kept for previous_response_id.
+        ``rid``, ``ids``: the response's id and its items' (a stream made them first)."""
+        rid = rid or new_id("resp")
         with self.lock:
             self.stored[rid] = [*messages, openai_message(result.answer.message)]
             while len(self.stored) > STORED:
                 self.stored.popitem(last=False)
-        a = result.answer
-        incomplete = a.finish_reason == "length"
-        out = {
-            "id": rid, "object": "response", "created_at": int(time.time()),
+        incomplete = result.answer.finish_reason == "length"
+        out = skeleton(rid, model, request)
+        out.update({
             "status": "incomplete" if incomplete else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "error": None, "model": model, "output": output_items(result),
-            "instructions": request.get("instructions"),
-            "parallel_tool_calls": request.get("parallel_tool_calls", True),
-            "tool_choice": request.get("tool_choice", "auto"),
-            "tools": request.get("tools") or [],
-            "temperature": request.get("temperature"), "top_p": request.get("top_p"),
-            "max_output_tokens": request.get("max_output_tokens"),
-            "previous_response_id": request.get("previous_response_id"),
-            "text": request.get("text") or {"format": {"type": "text"}},
-            "metadata": request.get("metadata") or {}, "store": False,
+            "output": output_items(result, ids or {}),
             "usage": {
                 "input_tokens": len(result.prompt_ids),
                 "input_tokens_details": {"cached_tokens": 0},
@@ -111,8 +105,29 @@ class ResponsesDoor:
                 "total_tokens": len(result.prompt_ids) + len(result.token_ids),
             },
             "hpc_asyncppo": exact(result),
-        }  # fmt: skip
+        })  # fmt: skip
         return out
+
+
+def new_id(kind: str) -> str:
+    return f"{kind}_{uuid.uuid4().hex}"
+
+
+def skeleton(rid: str, model: str, request: dict[str, Any]) -> dict[str, Any]:
+    """A ``response`` as it stands before its turn: in progress, no output."""
+    return {
+        "id": rid, "object": "response", "created_at": int(time.time()),
+        "status": "in_progress", "incomplete_details": None, "error": None, "model": model,
+        "output": [], "instructions": request.get("instructions"),
+        "parallel_tool_calls": request.get("parallel_tool_calls", True),
+        "tool_choice": request.get("tool_choice", "auto"),
+        "tools": request.get("tools") or [],
+        "temperature": request.get("temperature"), "top_p": request.get("top_p"),
+        "max_output_tokens": request.get("max_output_tokens"),
+        "previous_response_id": request.get("previous_response_id"),
+        "text": request.get("text") or {"format": {"type": "text"}},
+        "metadata": request.get("metadata") or {}, "store": False, "usage": None,
+    }  # fmt: skip
 
 
 def exact(result: Result) -> dict[str, Any]:
@@ -125,59 +140,145 @@ def exact(result: Result) -> dict[str, Any]:
             **notes}  # fmt: skip
 
 
-def output_items(result: Result) -> list[dict[str, Any]]:
+def output_items(result: Result, ids: dict[str, str]) -> list[dict[str, Any]]:
+    """The answer's items: its reasoning, its message (text, or none beside tool calls),
+    a function call per call. ``ids``: those already made for the reasoning and message."""
     a, items = result.answer, []
     if a.reasoning:
-        items.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}",
+        items.append({"type": "reasoning", "id": ids.get(REASONING) or new_id("rs"),
                       "summary": [], "content": [{"type": "reasoning_text", "text": a.reasoning}]})  # fmt: skip
     if a.message.get("content") or not a.message.get("tool_calls"):
-        items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed",
-                      "role": "assistant",
+        items.append({"type": "message", "id": ids.get(CONTENT) or new_id("msg"),
+                      "status": "completed", "role": "assistant",
                       "content": [{"type": "output_text", "text": a.message.get("content") or "",
                                    "annotations": [], "logprobs": []}]})  # fmt: skip
     for c in a.message.get("tool_calls", []):
-        items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": c["id"],
+        items.append({"type": "function_call", "id": new_id("fc"), "call_id": c["id"],
                       "name": c["name"], "arguments": json.dumps(c["arguments"]),
                       "status": "completed"})  # fmt: skip
     return items
 
 
-def events(response: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """``response`` as the Responses streaming events: created, each item added, its
-    text or arguments, done, then completed."""
-    out: list[tuple[str, dict[str, Any]]] = []
+class ResponseStream:
+    """A streamed response: ``response.created``, then the reasoning item and the message
+    item opened as their text comes (``response.reasoning_text.delta``,
+    ``response.output_text.delta``), each done when the next begins or the turn ends, the
+    function calls, then ``response.completed`` (or ``response.incomplete``) with the
+    whole response."""
 
-    def emit(kind: str, **data: Any) -> None:
-        out.append((kind, {"type": kind, "sequence_number": len(out), **data}))
+    done = False  # the stream ends with its last event
 
-    started = {**response, "status": "in_progress", "output": [], "incomplete_details": None}
-    emit("response.created", response=started)
-    emit("response.in_progress", response=started)
-    for i, item in enumerate(response["output"]):
-        where = {"item_id": item["id"], "output_index": i}
-        if item["type"] == "message":
-            emit("response.output_item.added", output_index=i,
-                 item={**item, "status": "in_progress", "content": []})  # fmt: skip
-            part = item["content"][0]
-            emit("response.content_part.added", **where, content_index=0,
-                 part={**part, "text": ""})  # fmt: skip
-            emit("response.output_text.delta", **where, content_index=0, delta=part["text"],
-                 logprobs=[])  # fmt: skip
-            emit("response.output_text.done", **where, content_index=0, text=part["text"],
-                 logprobs=[])  # fmt: skip
-            emit("response.content_part.done", **where, content_index=0, part=part)
-        elif item["type"] == "function_call":
-            emit("response.output_item.added", output_index=i,
-                 item={**item, "status": "in_progress", "arguments": ""})  # fmt: skip
-            emit("response.function_call_arguments.delta", **where, delta=item["arguments"])
-            emit("response.function_call_arguments.done", **where, arguments=item["arguments"],
-                 name=item["name"])  # fmt: skip
+    def __init__(self, door: ResponsesDoor, model: str, messages: list[dict[str, Any]],
+                 request: dict[str, Any]):  # fmt: skip
+        self.door, self.model, self.messages, self.request = door, model, messages, request
+        self.rid = new_id("resp")
+        self.sent = 0
+        self.items: list[tuple[str, str]] = []  # (kind, id) of the items opened
+        self.open: str | None = None  # the kind of the item open now
+        self.text = ""  # the open item's text so far
+
+    def _emit(self, kind: str, **data: Any) -> tuple[str, dict[str, Any]]:
+        self.sent += 1
+        return kind, {"type": kind, "sequence_number": self.sent - 1, **data}
+
+    def start(self, prompt_tokens: int) -> list[tuple[str, dict[str, Any]]]:
+        started = skeleton(self.rid, self.model, self.request)
+        return [self._emit("response.created", response=started),
+                self._emit("response.in_progress", response=started)]  # fmt: skip
+
+    def pieces(self, pieces: list[tuple[str, str]]) -> list[tuple[str, dict[str, Any]]]:
+        out = []
+        for kind, text in pieces:
+            if self.open != kind:
+                out += self._close()
+                out += self._open(kind)
+            self.text += text
+            where = {"item_id": self.items[-1][1], "output_index": len(self.items) - 1,
+                     "content_index": 0}  # fmt: skip
+            name = "reasoning_text" if kind == REASONING else "output_text"
+            extra = {} if kind == REASONING else {"logprobs": []}
+            out.append(self._emit(f"response.{name}.delta", **where, delta=text, **extra))
+        return out
+
+    def _open(self, kind: str, rid: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+        rid = rid or new_id("rs" if kind == REASONING else "msg")
+        self.items.append((kind, rid))
+        self.open, self.text = kind, ""
+        index = len(self.items) - 1
+        if kind == REASONING:
+            item = {"type": "reasoning", "id": rid, "summary": [], "content": []}
+            part = {"type": "reasoning_text", "text": ""}
         else:
-            emit("response.output_item.added", output_index=i, item=item)
-        emit("response.output_item.done", output_index=i, item=item)
-    done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-    emit(done, response=response)
-    return out
+            item = {"type": "message", "id": rid, "status": "in_progress", "role": "assistant",
+                    "content": []}  # fmt: skip
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [self._emit("response.output_item.added", output_index=index, item=item),
+                self._emit("response.content_part.added", item_id=rid, output_index=index,
+                           content_index=0, part=part)]  # fmt: skip
+
+    def _close(self, item: dict[str, Any] | None = None) -> list[tuple[str, dict[str, Any]]]:
+        """The open item done: with ``item`` (the response's), as the answer has it."""
+        if self.open is None:
+            return []
+        kind, rid = self.items[-1]
+        index = len(self.items) - 1
+        where = {"item_id": rid, "output_index": index, "content_index": 0}
+        if kind == REASONING:
+            part = {"type": "reasoning_text", "text": self.text}
+            item = item or {"type": "reasoning", "id": rid, "summary": [], "content": [part]}
+            done = [self._emit("response.reasoning_text.done", **where, text=self.text)]
+        else:
+            part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+            item = item or {"type": "message", "id": rid, "status": "completed",
+                            "role": "assistant", "content": [part]}  # fmt: skip
+            done = [self._emit("response.output_text.done", **where, text=self.text,
+                               logprobs=[])]  # fmt: skip
+        self.open = None
+        return [*done, self._emit("response.content_part.done", **where, part=part),
+                self._emit("response.output_item.done", output_index=index, item=item)]
+
+    def finish(self, result: Result, rest: list[tuple[str, str]]
+               ) -> list[tuple[str, dict[str, Any]]]:  # fmt: skip
+        out = self.pieces(rest)
+        opened = dict(self.items)
+        response = self.door.body(result, self.model, self.messages, self.request, self.rid,
+                                  opened)  # fmt: skip
+        by_id = {item["id"]: item for item in response["output"]}
+        if self.open is not None:
+            out += self._close(by_id.get(self.items[-1][1]))
+        for index, item in enumerate(response["output"]):
+            if item["id"] in opened.values():
+                continue
+            where = {"item_id": item["id"], "output_index": index}
+            if item["type"] == "message":  # no text streamed: the message, whole
+                out += self._open(CONTENT, item["id"])
+                self.text = item["content"][0]["text"]
+                out.append(self._emit("response.output_text.delta", **where, content_index=0,
+                                      delta=self.text, logprobs=[]))  # fmt: skip
+                out += self._close(item)
+            elif item["type"] == "function_call":
+                out.append(self._emit("response.output_item.added", output_index=index,
+                                      item={**item, "status": "in_progress",
+                                            "arguments": ""}))  # fmt: skip
+                out.append(self._emit("response.function_call_arguments.delta", **where,
+                                      delta=item["arguments"]))  # fmt: skip
+                out.append(self._emit("response.function_call_arguments.done", **where,
+                                      arguments=item["arguments"], name=item["name"]))  # fmt: skip
+                out.append(self._emit("response.output_item.done", output_index=index,
+                                      item=item))  # fmt: skip
+            else:
+                out.append(self._emit("response.output_item.added", output_index=index,
+                                      item=item))  # fmt: skip
+                out.append(self._emit("response.output_item.done", output_index=index,
+                                      item=item))  # fmt: skip
+        done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        out.append(self._emit(done, response=response))
+        return out
+
+    def error(self, exc: RequestError) -> list[tuple[str, dict[str, Any]]]:
+        body = exc.body()["error"]
+        return [self._emit("error", code=body["code"] or body["type"], message=body["message"],
+                           param=body["param"])]  # fmt: skip
 
 
 def input_messages(items: Any) -> list[dict[str, Any]]:

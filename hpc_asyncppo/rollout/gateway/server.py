@@ -7,7 +7,7 @@ Endpoints (each also under ``/sessions/{id}``, the base URL a session's client i
 to; elsewhere the session is named by the ``X-Session-ID`` header)::
 
     POST /v1/chat/completions       OpenAI's Chat Completions (``stream=true``: server-sent
-                                    events)
+                                    events as the turn grows, on every door: ``streaming.py``)
     POST /v1/completions            a text prompt in, the completion out
     POST /v1/responses              OpenAI's Responses (the Agents SDK's default)
     POST /v1/messages               Anthropic's Messages (and ``/v1/messages/count_tokens``)
@@ -52,6 +52,7 @@ from hpc_asyncppo.rollout.gateway.addresses import address_path
 from hpc_asyncppo.rollout.gateway.agents import AgentRow
 from hpc_asyncppo.rollout.gateway.requests import Fields, RequestError
 from hpc_asyncppo.rollout.gateway.sessions import Sessions
+from hpc_asyncppo.rollout.gateway.streaming import Progress, TurnText
 
 log = logging.getLogger(__name__)
 
@@ -145,59 +146,96 @@ def make_app(sessions: Sessions, token: str, model: str, fields: Fields,
                                "(/sessions/ID/v1) or send the X-Session-ID header")  # fmt: skip
         return session
 
-    def sse(events: list[tuple[str | None, dict[str, Any]]], done: bool) -> StreamingResponse:
+    async def called(request: Request, session: str | None, door, stream_of):
+        """A call through ``door`` (its body -> the ``Call`` and what the door keeps for
+        its answer): without ``stream``, the body, that, and the sessions' ``Result``; with
+        it, the streamed answer (``stream_of(call, kept, body)``: the door's writer)."""
+        body = await read_body(request)
+        call, kept = door(body)
+        sid = session_of(request, body, session)
+        if not body.get("stream"):
+            return body, kept, await asyncio.wrap_future(sessions.post(sid, call))
+        return await streamed(sid, call, stream_of(call, kept, body))
+
+    async def streamed(sid: str, call: Any, writer: Any):
+        """A streamed call: the door's events as the turn grows (``streaming.py``). Until
+        the engine made its first tokens a refusal is the error it is without streaming;
+        after, the stream ends with an error event."""
+        loop = asyncio.get_running_loop()
+        grown: asyncio.Queue = asyncio.Queue()
+
+        def progress(p: Progress) -> None:  # on the rank's loop
+            try:
+                loop.call_soon_threadsafe(grown.put_nowait, p)
+            except RuntimeError:  # the server is shutting down
+                pass
+
+        result = asyncio.wrap_future(sessions.post(sid, call, progress))
+        first = await _next(grown, result)
+        if first is None and isinstance(result.exception(), RequestError):
+            raise result.exception()
+        text = TurnText(sessions.tokenizer, call, sessions.parser)
+
         async def stream():
-            for name, data in events:
-                head = f"event: {name}\n" if name else ""
-                yield f"{head}data: {json.dumps(data)}\n\n"
-            if done:
+            item = first
+            size = item.prompt_tokens if item is not None else len(result.result().prompt_ids)
+            events = writer.start(size)
+            while item is not None:
+                events += writer.pieces(text.feed(item))
+                yield _sse(events)
+                events, item = [], await _next(grown, result)
+            try:
+                answered = result.result()
+            except RequestError as exc:
+                yield _sse(events + writer.error(exc))
+                return
+            yield _sse(events + writer.finish(answered, text.finish(answered.answer)))
+            if writer.done:
                 yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
-    async def answered(request: Request, session: str | None, door) -> tuple[Any, Any, Any]:
-        """A call through ``door`` (its body -> the ``Call`` and what the door keeps for
-        its answer): the body, that, and the sessions' ``Result``."""
-        body = await read_body(request)
-        call, kept = door(body)
-        future = sessions.post(session_of(request, body, session), call)
-        return body, kept, await asyncio.wrap_future(future)
-
     async def chat(request: Request, session: str | None = None):
         try:
-            body, _, result = await answered(request, session, lambda b: (fields.chat(b), None))
+            out = await called(request, session, lambda b: (fields.chat(b), None),
+                               lambda c, _, b: openai_chat.ChatStream(model, piece, c))  # fmt: skip
         except RequestError as exc:
             return error(exc)
-        if not body.get("stream"):
-            return openai_chat.chat_body(result, model, piece)
-        return sse([(None, c) for c in openai_chat.chat_chunks(result, model, piece)], True)
+        if isinstance(out, StreamingResponse):
+            return out
+        return openai_chat.chat_body(out[2], model, piece)
 
     async def completions(request: Request, session: str | None = None):
         try:
-            body, _, result = await answered(request, session,
-                                             lambda b: (fields.completion(b), None))  # fmt: skip
+            out = await called(request, session, lambda b: (fields.completion(b), None),
+                               lambda c, _, b: openai_chat.CompletionStream(model, piece, c))  # fmt: skip
         except RequestError as exc:
             return error(exc)
-        answer = openai_chat.completion_body(result, model, piece)
-        return sse([(None, answer)], True) if body.get("stream") else answer
+        if isinstance(out, StreamingResponse):
+            return out
+        return openai_chat.completion_body(out[2], model, piece)
 
     async def respond(request: Request, session: str | None = None):
         try:
-            body, messages, result = await answered(request, session, responses.call)
+            out = await called(request, session, responses.call, lambda c, kept, b:
+                               openai_responses.ResponseStream(responses, model, kept, b))  # fmt: skip
         except RequestError as exc:
             return error(exc)
-        answer = responses.body(result, model, messages, body)
-        return sse(openai_responses.events(answer), False) if body.get("stream") else answer
+        if isinstance(out, StreamingResponse):
+            return out
+        body, messages, result = out
+        return responses.body(result, model, messages, body)
 
     async def messages(request: Request, session: str | None = None):
         try:
-            body, _, result = await answered(
-                request, session, lambda b: (anthropic_messages.call_of(b, fields), None)
-            )
+            out = await called(request, session,
+                               lambda b: (anthropic_messages.call_of(b, fields), None),
+                               lambda c, _, b: anthropic_messages.MessageStream(model))  # fmt: skip
         except RequestError as exc:
             return error(exc, request.url.path)
-        answer = anthropic_messages.message_body(result, model)
-        return sse(anthropic_messages.events(answer), False) if body.get("stream") else answer
+        if isinstance(out, StreamingResponse):
+            return out
+        return anthropic_messages.message_body(out[2], model)
 
     async def count_tokens(request: Request, session: str | None = None):
         path = request.url.path
@@ -266,6 +304,27 @@ def make_app(sessions: Sessions, token: str, model: str, fields: Fields,
         app.add_api_route(f"{prefix}/v1/messages", messages, methods=["POST"])
         app.add_api_route(f"{prefix}/v1/messages/count_tokens", count_tokens, methods=["POST"])
     return app
+
+
+def _sse(events: list[tuple[str | None, dict[str, Any]]]) -> str:
+    """Server-sent events: ``event:`` where the API names them, and the data."""
+    return "".join((f"event: {name}\n" if name else "") + f"data: {json.dumps(data)}\n\n"
+                   for name, data in events)  # fmt: skip
+
+
+async def _next(grown: asyncio.Queue, result: asyncio.Future) -> Any:
+    """The turn's next growth, or None once its answer (or refusal) came: growth reported
+    after that is in the answer."""
+    if not grown.empty():
+        return grown.get_nowait()
+    if result.done():
+        return None
+    getter = asyncio.ensure_future(grown.get())
+    await asyncio.wait({getter, result}, return_when=asyncio.FIRST_COMPLETED)
+    if getter.done():
+        return getter.result()
+    getter.cancel()
+    return None
 
 
 def _too_large(size: int, limit: int) -> RequestError:

@@ -27,6 +27,10 @@ later call goes on the first line free whose conversation it extends, else start
 sequence (on the session's own line if it is free). The same call again, while its turn
 runs or after it (a client's retry), is answered with the same turn.
 
+A streamed call (``stream: true``) is told its turn's new tokens after every engine step
+(``post``'s ``progress``, called on the rank's loop with a ``streaming.Progress``): its
+door sends them as they come (``streaming.py``).
+
 Calls come from the HTTP server's thread (``post``, ``end``: thread-safe, each answered
 through a ``Future``); everything that touches the engine happens on the rank's loop, in
 ``advance``, between two engine steps, so neither engine is ever entered from another
@@ -72,8 +76,9 @@ from typing import Any
 import numpy as np
 
 from hpc_asyncppo.config import MultiTurnConfig
-from hpc_asyncppo.rollout.gateway.chat import Answer, Conversation, NotExtending
+from hpc_asyncppo.rollout.gateway.chat import Answer, Conversation, NotExtending, opened_thinking
 from hpc_asyncppo.rollout.gateway.requests import Call, RequestError
+from hpc_asyncppo.rollout.gateway.streaming import Progress
 from hpc_asyncppo.rollout.generation import Generation, PartialGroup, Response, ResponseGroup
 from hpc_asyncppo.rollout.turns import call_end_ids
 from hpc_asyncppo.tasks import Prompt
@@ -121,6 +126,9 @@ class Session:
     opened: bool = False  # its first call reached the engine
     call: tuple[Call, Future] | None = None  # the call the engine is answering
     retries: list[Future] = field(default_factory=list)  # the same call again, meanwhile
+    # a streamed call: told the turn's new tokens after each engine step; how many it has
+    progress: Callable[[Progress], None] | None = None
+    reported: int = 0
     last: tuple[Call, Result] | None = None  # the call answered last (a retry gets it again)
     turn_start: int = 0  # where the model's current turn starts in the response
     answered: float | None = None  # when its last call was answered (its agent's turn now)
@@ -204,9 +212,13 @@ class Sessions:
         self.outcomes: deque[bool] = deque(maxlen=256)  # True: failed
 
     # --- other threads: the server and the agents -----------------------------------------
-    def post(self, session_id: str, call: Call) -> Future:
-        """A call for the rank's loop; its Future gets a ``Result`` or a ``RequestError``."""
-        return self._put("call", session_id, call)
+    def post(self, session_id: str, call: Call,
+             progress: Callable[[Progress], None] | None = None) -> Future:  # fmt: skip
+        """A call for the rank's loop; its Future gets a ``Result`` or a ``RequestError``.
+        ``progress`` (a streamed call): called on the rank's loop with the turn's new
+        tokens after each engine step that made some, before the Future's result; it must
+        not block (the server's: a put on its event loop)."""
+        return self._put("call", session_id, (call, progress))
 
     def conversation(self, session_id: str) -> Conversation:
         return Conversation(self.tokenizer, session_id, self.parser)
@@ -314,6 +326,8 @@ class Sessions:
                         r.finished or (r.waiting and len(r.tokens) > line.turn_start)
                     ):
                         self._answer(engine, line, r)
+                    elif r is not None and line.progress is not None:
+                        self._report(line, r)
         while True:
             with self.lock:
                 if not self.inbox:
@@ -326,7 +340,7 @@ class Sessions:
                 continue
             try:
                 if what == "call":
-                    self._call(engine, s, payload, future)
+                    self._call(engine, s, *payload, future)
                 else:
                     self._end(engine, s, payload)
                     future.set_result(None)
@@ -381,7 +395,21 @@ class Sessions:
             return None
         return engine.groups[s.key].responses[s.row]
 
-    def _call(self, engine: Any, s: Session, call: Call, future: Future) -> None:
+    def _report(self, line: Session, r: Response) -> None:
+        """A streamed call's turn grew: its new tokens, to its door."""
+        if len(r.tokens) <= line.reported:
+            return
+        context = self._context(line) + r.tokens[: line.turn_start]
+        line.progress(Progress(r.tokens[line.reported :], len(context),
+                               opened_thinking(self.tokenizer, context)))  # fmt: skip
+        line.reported = len(r.tokens)
+
+    def _context(self, s: Session) -> list[int]:
+        """The prompt of the line's current sequence."""
+        return s.sequence_prompt or self.prompts.get(s.key, [])
+
+    def _call(self, engine: Any, s: Session, call: Call,
+              progress: Callable[[Progress], None] | None, future: Future) -> None:  # fmt: skip
         lines = self._lines(s)
         for line in lines:
             if line.call is not None and line.call[0].same_request(call):
@@ -408,6 +436,7 @@ class Sessions:
             return
         line.call = (call, future)
         line.turn_start = len(r.tokens)
+        line.progress, line.reported = progress, len(r.tokens)
         opening = self._opening(call)
         if opening and not r.finished:
             self._observe(r, opening)
@@ -634,8 +663,9 @@ class Sessions:
         s.answered = time.monotonic()
         turn = tokens[s.turn_start :]
         cut = (finished and not (turn and turn[-1] == self.eos_id)) or limited
-        answer = s.conversation.answer(turn, cut, room_left=not finished, call=call)
-        prompt = (s.sequence_prompt or self.prompts[s.key]) + tokens[: s.turn_start]
+        prompt = self._context(s) + tokens[: s.turn_start]
+        answer = s.conversation.answer(turn, cut, room_left=not finished, call=call,
+                                       thinking=opened_thinking(self.tokenizer, prompt))  # fmt: skip
         result = Result(s.id, answer, prompt, turn, log_probs[s.turn_start :],
                         versions[s.turn_start :], call)  # fmt: skip
         self._resolve(s, call, result, future)
@@ -653,12 +683,12 @@ class Sessions:
         else:  # a side line that got no sequence
             tokens = []
         answer = Answer({"role": "assistant", "content": ""}, "", "length")
-        prompt = (s.sequence_prompt or self.prompts.get(s.key, [])) + list(tokens)
+        prompt = self._context(s) + list(tokens)
         s.answered = time.monotonic()
         self._resolve(s, call, Result(s.id, answer, prompt, [], [], [], call), future)
 
     def _resolve(self, s: Session, call: Call, result: Result, future: Future) -> None:
-        s.last = (call, result)
+        s.last, s.progress = (call, result), None
         future.set_result(result)
         for f in s.retries:
             f.set_result(dataclasses.replace(result, retried=True))
@@ -838,4 +868,4 @@ class Sessions:
         if s.call is not None:
             for f in [s.call[1], *s.retries]:
                 f.set_exception(error)
-            s.call, s.retries = None, []
+            s.call, s.retries, s.progress = None, [], None
