@@ -249,7 +249,11 @@ def generate_with_agents(cfg: Config, engine, prompts: list, shares: list[int],
     if runner is not None:
         runner.sessions = sessions
     engine.turn_ends = sessions.turn_ends
-    fields = Fields({"temperature": temperature, "top_p": r.top_p, "top_k": r.top_k}, g.sampling)
+    fields = Fields(
+        {"temperature": temperature, "top_p": r.top_p, "top_k": r.top_k},
+        g.sampling,
+        g.parallel_tool_calls,
+    )
     app = make_app(sessions, token, Path(cfg.model.path).name or "model", fields,
                    int(g.max_request_mb * 2**20), g.claim_wait_s)  # fmt: skip
     gateway = Gateway(app, "127.0.0.1" if agent else g.host, g.port)

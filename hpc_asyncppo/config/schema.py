@@ -114,6 +114,10 @@ class GatewayConfig:
     # a request's temperature, top_p, top_k, min_p, penalties or logit_bias other than the
     # run's: override (the run's sampling is used, the answer says so) | refuse (400)
     sampling: str = "override"
+    # a call that does not send parallel_tool_calls (most harnesses): true reads every
+    # call of the model's turn, which runs to EOS (OpenAI's default); false ends the turn
+    # at its first call's end, as rollout.multi_turn does (a task of one call at a time)
+    parallel_tool_calls: bool = True
     tool_parser: str = "auto"  # how the model writes tool calls: auto (from its chat
     # template) | hermes | llama3_json | mistral
     # a session that fails: drop its group (none of it trained) | score (its group is

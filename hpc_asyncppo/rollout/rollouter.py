@@ -217,7 +217,7 @@ class Rollouter:
             runner.sessions = sessions
         sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
                     "top_k": cfg.rollout.top_k}  # fmt: skip
-        fields = Fields(sampling, cfg.gateway.sampling)
+        fields = Fields(sampling, cfg.gateway.sampling, cfg.gateway.parallel_tool_calls)
         app = make_app(sessions, token, Path(cfg.model.path).name or "model", fields,
                        int(cfg.gateway.max_request_mb * 2**20), cfg.gateway.claim_wait_s)  # fmt: skip
         gateway = Gateway(app, cfg.gateway.host, cfg.gateway.port)

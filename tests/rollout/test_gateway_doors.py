@@ -568,3 +568,21 @@ def test_a_streamed_empty_turn_starts_and_ends_as_each_api_does(served, door):
                       "messages": ("message_start", "message_stop")}  # fmt: skip
         assert (events[0][0], events[-1][0]) == first_last[door]
     finish(served, key, [sid])
+
+
+@pytest.mark.parametrize("default", [True, False])
+def test_a_call_that_does_not_send_parallel_tool_calls_gets_the_runs_default(served, default):
+    """``gateway.parallel_tool_calls``, for the harnesses that never send the field: true
+    reads both calls of the turn, which runs on to EOS; false ends it at the first call's
+    end, as a call with ``parallel_tool_calls: false`` does."""
+    fields = Fields({"temperature": 1.0, "top_p": 1.0}, parallel_tool_calls=default)
+    key = ("parallel-default", default)
+    [sid] = open_one(served, key, 5)
+    messages = [{"role": "user", "content": served["task"].prompts()[5].text}]
+    call = fields.chat({"messages": messages, "tools": [LOOKUP]})
+    result = served["sessions"].post(sid, call).result(timeout=HANG_S)
+    engine = served["engine"]
+    words = [*CALL, SECOND] if default else CALL
+    assert result.token_ids == engine.encode(" ".join(words)) + [engine.eos_id] * default
+    assert len(result.answer.message["tool_calls"]) == (2 if default else 1)
+    finish(served, key, [sid])

@@ -31,28 +31,30 @@ def tokenizer():
 
 # name: (parser, the turn's words, the call's fields, template opened <think>,
 #        (reasoning, content) the answer has, the words after which content was sent)
+# fmt: off
 CASES = {
     "content then a hermes call": ("hermes", ["Let", "me", "look", "<tool_call>", CALL,
                                               "</tool_call>"], {"tools": TOOLS}, False,
-                                   ("", "Let me look"), 1),  # fmt: skip
+                                   ("", "Let me look"), 1),
     "a llama3_json call": ("llama3_json", ['{"name":', '"lookup",', '"parameters":', "{}}"],
-                           {"tools": TOOLS}, False, ("", ""), None),  # fmt: skip
+                           {"tools": TOOLS}, False, ("", ""), None),
     "llama3_json content": ("llama3_json", ["The", "answer", "7"], {"tools": TOOLS}, False,
-                            ("", "The answer 7"), 1),  # fmt: skip
+                            ("", "The answer 7"), 1),
     "content then a mistral call": ("mistral", ["Let", "me", "[TOOL_CALLS]", f"[{CALL}]"],
-                                    {"tools": TOOLS}, False, ("", "Let me"), 1),  # fmt: skip
+                                    {"tools": TOOLS}, False, ("", "Let me"), 1),
     "a think block": ("hermes", ["<think>", "hmm", "more", "</think>", "7"], {}, False,
-                      ("hmm more", "7"), 5),  # fmt: skip
+                      ("hmm more", "7"), 5),
     "a block the template opened": ("hermes", ["hmm", "</think>", "The", "answer"], {}, True,
-                                    ("hmm", "The answer"), 3),  # fmt: skip
+                                    ("hmm", "The answer"), 3),
     "a block cut before its end": ("hermes", ["<think>", "hmm", "more"], {}, False,
-                                   ("hmm more", ""), None),  # fmt: skip
+                                   ("hmm more", ""), None),
     "a stop string of two words": ("hermes", ["said", "Observation:", "said", "7"],
-                                   {"stop": ["Observation: said"]}, False, ("", "said"), 1),  # fmt: skip
+                                   {"stop": ["Observation: said"]}, False, ("", "said"), 1),
     "tool_choice none": ("hermes", ["Let", "<tool_call>", CALL, "</tool_call>"],
                          {"tools": TOOLS, "tool_choice": "none"}, False,
-                         ("", f"Let <tool_call> {CALL} </tool_call>"), 1),  # fmt: skip
+                         ("", f"Let <tool_call> {CALL} </tool_call>"), 1),
 }
+# fmt: on
 
 
 @pytest.mark.parametrize("name", CASES)

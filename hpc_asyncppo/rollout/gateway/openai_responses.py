@@ -234,8 +234,11 @@ class ResponseStream:
             done = [self._emit("response.output_text.done", **where, text=self.text,
                                logprobs=[])]  # fmt: skip
         self.open = None
-        return [*done, self._emit("response.content_part.done", **where, part=part),
-                self._emit("response.output_item.done", output_index=index, item=item)]
+        return [
+            *done,
+            self._emit("response.content_part.done", **where, part=part),
+            self._emit("response.output_item.done", output_index=index, item=item),
+        ]
 
     def finish(self, result: Result, rest: list[tuple[str, str]]
                ) -> list[tuple[str, dict[str, Any]]]:  # fmt: skip

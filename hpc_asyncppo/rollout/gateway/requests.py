@@ -208,10 +208,13 @@ class Fields:
     """The table applied to a rank's requests: the run's sampling, what a sampling field
     other than it gets (``gateway.sampling``), and the unknown fields already warned of."""
 
-    def __init__(self, sampling: dict[str, float], mode: str = "override"):
-        """``sampling``: the run's temperature, top_p and top_k (``rollout.*``)."""
+    def __init__(self, sampling: dict[str, float], mode: str = "override",
+                 parallel_tool_calls: bool = True):  # fmt: skip
+        """``sampling``: the run's temperature, top_p and top_k (``rollout.*``);
+        ``mode``: gateway.sampling; ``parallel_tool_calls``: what a call that does not
+        say gets (gateway.parallel_tool_calls)."""
         self.sampling = {**SAMPLING, **sampling}
-        self.mode = mode
+        self.mode, self.parallel_tool_calls = mode, parallel_tool_calls
         self.warned: set[str] = set()
         self.lock = threading.Lock()
 
@@ -238,7 +241,7 @@ class Fields:
                                "one of the tools", "tool_choice")  # fmt: skip
         parallel = body.get("parallel_tool_calls")
         call.parallel_tool_calls = (
-            True if parallel is None else _bool(parallel, "parallel_tool_calls")
+            self.parallel_tool_calls if parallel is None else _bool(parallel, "parallel_tool_calls")
         )
         kwargs = body.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
