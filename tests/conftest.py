@@ -236,6 +236,27 @@ def trainer_log_probs(
     return lp, batch["rollout_log_probs"], batch["response_mask"].bool()
 
 
+def most_likely(model_dir: Path, prompt: list[int], tokens: list[int], temperature: float,
+                top: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """What an engine's ``top`` most likely tokens at each of ``tokens``' places should be:
+    the model's (transformers, fp32) log_softmax(logits / temperature) after ``prompt``
+    and the tokens before, its ``top`` largest and all of it: ((L, top) values, (L, V))."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    every = torch.log_softmax(logits / temperature, dim=-1)
+    return torch.topk(every, top, dim=-1).values, every
+
+
+@pytest.fixture(scope="session")
+def rivals_of() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """``most_likely`` above, for test modules."""
+    return most_likely
+
+
 @pytest.fixture(scope="session")
 def log_probs_of() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``trainer_log_probs`` above, for test modules (which cannot import each other)."""

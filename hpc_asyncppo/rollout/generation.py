@@ -84,6 +84,11 @@ class Response:
     stop_ids: frozenset[int] | None = None
     stop_texts: tuple[str, ...] = ()
     turn_start: int = 0
+    # the gateway: a call's top_logprobs (0: none): each token the engine samples gets the
+    # ``top`` most likely tokens at its place with their log-probs (the sampled token's
+    # quantity), by position in ``tokens`` (not kept in checkpoints)
+    top: int = 0
+    alternatives: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
 
     def observe(self, tokens: list[int]) -> None:
         """Append a tool's or an environment's answer (log-prob 0, version -1)."""

@@ -52,6 +52,14 @@ class _Flag(StoppingCriteria):
         return torch.full((input_ids.shape[0],), bool(self.flag()), device=input_ids.device)
 
 
+def alternatives(log_probs: torch.Tensor, top: int) -> list[list[list[tuple[int, float]]]]:
+    """The ``top`` most likely tokens at every place of ``log_probs`` (B, L, V), each with
+    its log-prob, most likely first: per row, per place."""
+    values, ids = torch.topk(log_probs, min(top, log_probs.shape[-1]), dim=-1)
+    return [[list(zip(i, v, strict=True)) for i, v in zip(row_ids, row_values, strict=True)]
+            for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)]  # fmt: skip
+
+
 class HFEngine:
     def __init__(self, model: ModelConfig, rollout: RolloutConfig, device: torch.device):
         self.cfg, self.device = rollout, device
@@ -92,13 +100,14 @@ class HFEngine:
 
     @torch.no_grad()
     def sample(
-        self, contexts: list[list[int]], max_new: int, temperature: float | None = None
-    ) -> tuple[list[list[int]], list[list[float]]]:
+        self, contexts: list[list[int]], max_new: int, temperature: float | None = None,
+        top: int = 0,
+    ) -> tuple[list[list[int]], list[list[float]], list[list[list[tuple[int, float]]]] | None]:  # fmt: skip
         """Sample up to ``max_new`` tokens after each context (one row each) at
         ``temperature`` (None: rollout.temperature; 0: greedy, with the log-probs of
         temperature 1), stopping early, with the tokens so far, when ``should_stop()`` turns
         true; the new tokens of each row and their log-probs, EOS and whatever follows it
-        included."""
+        included; with ``top``, each token's ``top`` most likely rivals (``alternatives``)."""
         ids, mask = left_pad(contexts, self.pad_id)
         cfg = self.cfg
         temperature = cfg.temperature if temperature is None else temperature
@@ -127,10 +136,10 @@ class HFEngine:
         )
         responses = out.sequences[:, ids.shape[1] :]
         logits = torch.stack(out.logits, dim=1).float() / (temperature or 1.0)  # (B, L', V)
-        log_probs = (
-            torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-        )
-        return responses.cpu().tolist(), log_probs.cpu().tolist()
+        every = torch.log_softmax(logits, dim=-1)
+        log_probs = every.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+        rivals = alternatives(every, top) if top else None
+        return responses.cpu().tolist(), log_probs.cpu().tolist(), rivals
 
     def generate(
         self, prompts: list[list[int]], n: int, temperature: float | None = None
@@ -191,16 +200,20 @@ class HFEngine:
         width = self.cfg.response_length
         return min(width, r.limit or width)
 
-    def take(self, r: Response, ids: list[int], lps: list[float]) -> None:
+    def take(self, r: Response, ids: list[int], lps: list[float],
+             rivals: list[list[tuple[int, float]]] | None = None) -> None:  # fmt: skip
         """Append sampled tokens to ``r`` up to its first stop token or its end (both
         included), and end its turn there; a gateway call's own stop tokens and strings
-        (``Response.stop_ids``, ``stop_texts``) end it too."""
+        (``Response.stop_ids``, ``stop_texts``) end it too. ``rivals``: each token's most
+        likely tokens, kept where ``r.top`` asks."""
         end = self.ends(r)
         take = ids[: end - len(r.tokens)]
         stops = self.stops if r.stop_ids is None else r.stop_ids
         stop = next((i for i, t in enumerate(take) if t in stops), None)
         if stop is not None:
             take = take[: stop + 1]
+        if r.top and rivals is not None:
+            r.alternatives.update((len(r.tokens) + i, rivals[i][: r.top]) for i in range(len(take)))
         r.tokens += take
         r.log_probs += lps[: len(take)]
         r.versions += [self.version] * len(take)
@@ -216,9 +229,10 @@ class HFEngine:
         """One ``generate`` call over the batch, to its longest response's end."""
         contexts = [self.groups[key].context(r) for key, r in batch]
         budget = max(self.ends(r) - len(r.tokens) for _, r in batch)
-        new_ids, new_lps = self.sample(contexts, budget, temperature)
-        for (_, r), ids, lps in zip(batch, new_ids, new_lps, strict=True):
-            self.take(r, ids, lps)
+        top = max(r.top for _, r in batch)
+        new_ids, new_lps, rivals = self.sample(contexts, budget, temperature, top)
+        for i, ((_, r), ids, lps) in enumerate(zip(batch, new_ids, new_lps, strict=True)):
+            self.take(r, ids, lps, rivals[i] if rivals else None)
 
     @torch.no_grad()
     def continue_batch(self, temperature: float | None, batch: list[tuple[Hashable, Response]]):
@@ -236,11 +250,16 @@ class HFEngine:
             if self.should_stop is not None and self.should_stop():
                 break
             tokens, lps = sample_tokens(held.logits, temperature, cfg.top_p, cfg.top_k)
+            top = max(r.top for r in held.owners)
+            rivals = None
+            if top:
+                scaled = held.logits / (temperature or 1.0)
+                rivals = alternatives(torch.log_softmax(scaled, dim=-1).unsqueeze(1), top)
             going = []
             for i, (r, token, lp) in enumerate(
                 zip(held.owners, tokens.tolist(), lps.tolist(), strict=True)
             ):
-                self.take(r, [token], [lp])
+                self.take(r, [token], [lp], rivals[i] if rivals else None)
                 if r.runnable:
                     going.append(i)
             if not going:

@@ -230,13 +230,13 @@ class VLLMEngine:
     def submit(
         self, key: Hashable, prompt: list[int], n: int, temperature: float | None = None
     ) -> None:
-        """Start sampling n responses to ``prompt`` at ``temperature`` (None:
-        rollout.temperature; 0: greedy); ``step`` returns them under ``key``."""
+        """n responses to ``prompt`` at ``temperature`` (None: rollout.temperature; 0:
+        greedy), started by the next ``step`` (until then a caller may make some wait, or
+        set a turn's limits: the gateway's sessions that have not called yet); ``step``
+        returns them under ``key``."""
         if key in self.groups:
             raise ValueError(f"a prompt group with key {key!r} is already in flight")
         self.groups[key] = ResponseGroup(list(prompt), [Response() for _ in range(n)], temperature)
-        for j in range(n):
-            self._start(key, j)
 
     def resume(self, key: Hashable, partial: PartialGroup) -> None:
         """Continue a group cut earlier (e.g. by a checkpoint before a stop) from its tokens:
@@ -267,6 +267,12 @@ class VLLMEngine:
             key, j = self.running[out.request_id]
             response = self.groups[key].responses[j]
             completion = out.outputs[0]
+            if response.top:
+                for i, lp in enumerate(completion.logprobs):
+                    best = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[: response.top]
+                    response.alternatives[len(response.tokens) + i] = [
+                        (tok, x.logprob) for tok, x in best
+                    ]
             response.tokens += completion.token_ids
             response.log_probs += [
                 lp[tok].logprob
@@ -332,6 +338,8 @@ class VLLMEngine:
         params.max_tokens = min(width, response.limit or width) - len(response.tokens)
         if response.stop_ids is not None:  # a gateway call's own (parallel tool calls)
             params.stop_token_ids = sorted(response.stop_ids)
+        if response.top:  # a gateway call's top_logprobs: the sampled token's and its rivals'
+            params.logprobs = response.top
         if group.temperature is not None:
             params.temperature = group.temperature
         request_id = f"r{next(self._ids)}"

@@ -586,3 +586,29 @@ def test_a_call_that_does_not_send_parallel_tool_calls_gets_the_runs_default(ser
     assert result.token_ids == engine.encode(" ".join(words)) + [engine.eos_id] * default
     assert len(result.answer.message["tool_calls"]) == (2 if default else 1)
     finish(served, key, [sid])
+
+
+@pytest.mark.parametrize("fixture", ["served", "stepped"])
+def test_top_logprobs_give_each_tokens_most_likely_rivals(request, fixture):
+    """``top_logprobs: 2`` (a whole turn a step, and a token a step): each token's first
+    rival is itself, with its own log-prob; the second, the machine never picks (40 below
+    in logits); the completions shape too."""
+    served = request.getfixturevalue(fixture)
+    key = ("top", fixture)
+    sid, other = open_one(served, key, 4, n=2)
+    user = [{"role": "user", "content": "question tell"}]
+    answer = chat(served, sid, messages=user, logprobs=True, top_logprobs=2, max_tokens=3)
+    choice = answer["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["said", "Observation:", "said"]
+    for c in content:
+        first, second = c["top_logprobs"]
+        assert (first["token"], first["logprob"]) == (c["token"], c["logprob"])
+        assert second["logprob"] < -30 and second["token"] != c["token"]
+    prompt = served["sessions"].tokenizer.decode(answer["prompt_token_ids"])
+    r = post(served, f"/sessions/{other}/v1/completions",
+             {"model": "policy", "prompt": prompt, "logprobs": 1, "max_tokens": 2})  # fmt: skip
+    assert r.status_code == 200, r.text
+    tops = r.json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert [list(t) for t in tops] == [["said"], ["Observation:"]]
+    finish(served, key, [sid, other])

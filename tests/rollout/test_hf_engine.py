@@ -3,6 +3,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from hpc_asyncppo.config import Config, ModelConfig, RolloutConfig
@@ -65,6 +66,35 @@ def test_rollout_log_probs_match_the_trainers_recomputation(tiny_model_dir, log_
         trainer_lp, rollout_lp, mask = log_probs_of(policy, prompts, gens, engine.pad_id)
         diff = (trainer_lp - rollout_lp).abs()[mask]
         assert diff.max().item() < 1e-5, f"temperature {temperature}: max diff {diff.max().item()}"
+
+
+@pytest.mark.parametrize("step_tokens", [0, 2])
+def test_a_calls_top_log_probs_are_the_models_most_likely_tokens_at_each_place(
+    tiny_model_dir, rivals_of, step_tokens
+):
+    """A gateway call's ``top_logprobs`` (``Response.top``), in one ``generate`` call a
+    turn or a few tokens a step: each sampled token's rivals are the model's most likely
+    tokens at its place, at the sampled token's log-prob quantity; rows that did not ask
+    keep none."""
+    _, engine, _ = engine_and_policy(tiny_model_dir, temperature=0.7, hf_step_tokens=step_tokens)
+    torch.manual_seed(2)
+    prompt = engine.encode("1 2 3 4 =")
+    engine.submit("g", prompt, 4)
+    responses = engine.groups["g"].responses
+    for r in responses[:2]:
+        r.top = 3
+    while engine.in_flight:
+        engine.step()
+    assert all(r.alternatives == {} for r in responses[2:])
+    for r in responses[:2]:
+        assert sorted(r.alternatives) == list(range(len(r.tokens)))
+        values, every = rivals_of(tiny_model_dir, prompt, r.tokens, 0.7, 3)
+        for i, top in r.alternatives.items():
+            ids, lps = [t for t, _ in top], torch.tensor([x for _, x in top])
+            assert torch.allclose(lps, values[i], atol=1e-5)
+            assert torch.allclose(lps, every[i, ids], atol=1e-5)
+            if r.tokens[i] in ids:
+                assert abs(lps[ids.index(r.tokens[i])] - r.log_probs[i]) < 1e-6
 
 
 def test_loaded_weights_change_the_engine(tiny_model_dir):

@@ -428,6 +428,40 @@ def test_greedy_groups_beside_sampled_ones_match_the_hf_engines_greedy(engine, m
         assert done[("sampled", i)].response_ids.shape == (N, RESPONSE_LENGTH)
 
 
+def test_a_calls_top_log_probs_are_the_models_most_likely_tokens_at_each_place(
+    engine, model_dir, rivals_of
+):
+    """A gateway call's ``top_logprobs`` (``Response.top``) on vLLM: each sampled token's
+    rivals are the model's most likely tokens at its place (transformers' fp32, within
+    TOLERANCE), at the sampled token's log-prob quantity; rows that did not ask keep none.
+    A submitted group starts at the next step, so a response made to wait before it (a
+    session that has not called) gets no token until it may run."""
+    policy = Policy(make_cfg(model_dir, 0.7), CPU)
+    engine.load_weights({n: t.clone() for n, t in policy.named_weights()}, version=0)
+    prompt = prompts_for(engine)[0]
+    engine.submit("top", prompt, N)
+    responses = engine.groups["top"].responses
+    for r in responses[:2]:
+        r.top = 3
+    responses[3].waiting = True  # a session that has not called: nothing runs for it
+    while not all(r.finished for r in responses[:3]):
+        engine.step()
+    assert responses[3].tokens == []
+    responses[3].waiting = False
+    while engine.in_flight:
+        engine.step()
+    assert all(r.alternatives == {} for r in responses[2:])
+    for r in responses[:2]:
+        assert sorted(r.alternatives) == list(range(len(r.tokens)))
+        values, every = rivals_of(model_dir, prompt, r.tokens, 0.7, 3)
+        for i, top in r.alternatives.items():
+            ids, lps = [t for t, _ in top], torch.tensor([x for _, x in top])
+            assert (lps - values[i]).abs().max() < TOLERANCE
+            assert (lps - every[i, ids]).abs().max() < TOLERANCE
+            if r.tokens[i] in ids:
+                assert abs(lps[ids.index(r.tokens[i])] - r.log_probs[i]) < 1e-6
+
+
 def test_every_rpc_the_rank_calls_is_a_method_of_the_worker():
     """The names the rank calls through ``collective_rpc`` (``rollout/vllm_rpc.py``): vLLM's
     weight-transfer methods on its CPU worker, the project's on its worker extension."""

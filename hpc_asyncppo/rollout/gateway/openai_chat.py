@@ -7,8 +7,9 @@ Every answer carries the exact tokens beside OpenAI's fields, as vLLM's
 ``return_token_ids`` does: ``prompt_token_ids``, and per choice ``token_ids``,
 ``token_logprobs`` and ``token_versions`` (the weights version that sampled each token; -1
 for an opening the gateway put at the turn's start). ``logprobs: true`` adds OpenAI's
-``choice.logprobs.content`` (each token's text, log-prob and bytes; ``top_logprobs`` is
-empty: the engines keep the sampled token's log-prob, not its rivals'). The reasoning of a
+``choice.logprobs.content`` (each token's text, log-prob and bytes, and with
+``top_logprobs: k`` the k most likely tokens at its place, as the engine sampled it: the
+same log-prob as the sampled token's, the run's temperature). The reasoning of a
 ``<think>`` turn is ``message.reasoning_content``; what the gateway did not do as asked is
 under ``hpc_asyncppo`` (``Call.notes``). With ``stream: true`` the answer comes in chunks
 as the turn grows (``ChatStream``, ``CompletionStream``; ``streaming.py``).
@@ -87,17 +88,25 @@ def logprobs(result: Result, piece: Any, chat: bool) -> dict[str, Any] | None:
     call = result.call
     if call is None or not call.logprobs:
         return None
-    texts = [f"token_id:{t}" if call.tokens_as_ids else piece(t) for t in result.token_ids]
+
+    def text(t: int) -> str:
+        return f"token_id:{t}" if call.tokens_as_ids else piece(t)
+
+    texts = [text(t) for t in result.token_ids]
+    rivals = result.alternatives or [[] for _ in texts]
     if chat:
-        return {"content": [{"token": text, "logprob": lp, "bytes": list(text.encode()),
-                             "top_logprobs": []}
-                            for text, lp in zip(texts, result.log_probs, strict=True)]}  # fmt: skip
+        return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
+                             "top_logprobs": [{"token": text(t), "logprob": x,
+                                               "bytes": list(text(t).encode())}
+                                              for t, x in top]}
+                            for s, lp, top in zip(texts, result.log_probs, rivals, strict=True)]}  # fmt: skip
     offsets, at = [], 0
-    for text in texts:
+    for s in texts:
         offsets.append(at)
-        at += len(text)
+        at += len(s)
     return {"tokens": texts, "token_logprobs": result.log_probs,
-            "top_logprobs": [{} for _ in texts], "text_offset": offsets}  # fmt: skip
+            "top_logprobs": [{text(t): x for t, x in top} for top in rivals],
+            "text_offset": offsets}  # fmt: skip
 
 
 class ChatStream:

@@ -107,6 +107,9 @@ class Result:
     versions: list[int]
     call: Call | None = None
     retried: bool = False  # the answer to the same call before, given again
+    # the call's top_logprobs: each turn token's most likely tokens and their log-probs
+    # (none for an opening, or a turn replayed from a recording)
+    alternatives: list[list[tuple[int, float]]] | None = None
 
     def notes(self) -> dict[str, Any]:
         """The answer's ``hpc_asyncppo`` extension: what was not done as asked, and whether
@@ -445,6 +448,7 @@ class Sessions:
         r.stop_ids = frozenset({self.eos_id, *call.stop_token_ids,
                                 *(self.call_ends if not call.parallel_tool_calls else ())})  # fmt: skip
         r.stop_texts, r.turn_start = call.stop, len(r.tokens)
+        r.top, r.alternatives = (call.top_logprobs if call.logprobs else 0), {}
         span = r.observations[-1] if r.observations and r.observations[-1][1] == len(r.tokens) \
             else None  # fmt: skip
         if r.finished:  # no room for the model's turn
@@ -647,12 +651,17 @@ class Sessions:
         turn = r.tokens[s.turn_start :]
         limited = r.limit is not None and len(r.tokens) >= r.limit
         r.limit = None
+        rivals = None
+        if r.top:
+            rivals = [r.alternatives.get(i, []) for i in range(s.turn_start, len(r.tokens))]
+        r.top, r.alternatives = 0, {}
         self._answer_with(s, r.tokens, r.log_probs, r.versions, r.finished,
-                          limited and not (turn and turn[-1] in self.turn_ends))  # fmt: skip
+                          limited and not (turn and turn[-1] in self.turn_ends), rivals)  # fmt: skip
 
     def _answer_with(
         self, s: Session, tokens: list[int], log_probs: list[float], versions: list[int],
         finished: bool, limited: bool = False,
+        rivals: list[list[tuple[int, float]]] | None = None,
     ) -> None:  # fmt: skip
         """Answer the session's call with the model's turn: the response's tokens from
         where the turn started. A turn that leaves no room (``finished``) and did not end
@@ -667,7 +676,7 @@ class Sessions:
         answer = s.conversation.answer(turn, cut, room_left=not finished, call=call,
                                        thinking=opened_thinking(self.tokenizer, prompt))  # fmt: skip
         result = Result(s.id, answer, prompt, turn, log_probs[s.turn_start :],
-                        versions[s.turn_start :], call)  # fmt: skip
+                        versions[s.turn_start :], call, alternatives=rivals)  # fmt: skip
         self._resolve(s, call, result, future)
 
     def _answer_empty(self, engine: Any, s: Session, call: Call, future: Future) -> None:
