@@ -309,6 +309,8 @@ def test_weights_cannot_change_under_running_requests(engine, model_dir):
     weights = {n: t.clone() for n, t in policy.named_weights()}
     engine.load_weights(weights, version=0)
     engine.submit("busy", engine.encode("5 ="), N)
+    engine.step()  # the group's requests start
+    assert engine.running
     with pytest.raises(RuntimeError, match="running"):
         engine.load_weights(weights, version=1)
     while engine.in_flight:
