@@ -312,19 +312,23 @@ def _sse(events: list[tuple[str | None, dict[str, Any]]]) -> str:
                    for name, data in events)  # fmt: skip
 
 
-async def _next(grown: asyncio.Queue, result: asyncio.Future) -> Any:
-    """The turn's next growth, or None once its answer (or refusal) came: growth reported
-    after that is in the answer."""
-    if not grown.empty():
-        return grown.get_nowait()
-    if result.done():
-        return None
-    getter = asyncio.ensure_future(grown.get())
-    await asyncio.wait({getter, result}, return_when=asyncio.FIRST_COMPLETED)
-    if getter.done():
-        return getter.result()
-    getter.cancel()
-    return None
+async def _next(grown: asyncio.Queue, result: asyncio.Future) -> Progress | None:
+    """The turn's growth since the last call (every report queued, as one), or None once
+    its answer (or refusal) came: growth reported after that is in the answer."""
+    reports = []
+    if grown.empty():
+        if result.done():
+            return None
+        getter = asyncio.ensure_future(grown.get())
+        await asyncio.wait({getter, result}, return_when=asyncio.FIRST_COMPLETED)
+        if not getter.done():
+            getter.cancel()
+            return None
+        reports.append(getter.result())
+    while not grown.empty():
+        reports.append(grown.get_nowait())
+    last = reports[-1]
+    return Progress([t for p in reports for t in p.tokens], last.prompt_tokens, last.thinking)
 
 
 def _too_large(size: int, limit: int) -> RequestError:
