@@ -33,7 +33,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import pytest
@@ -236,25 +236,34 @@ def trainer_log_probs(
     return lp, batch["rollout_log_probs"], batch["response_mask"].bool()
 
 
-def most_likely(model_dir: Path, prompt: list[int], tokens: list[int], temperature: float,
-                top: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """What an engine's ``top`` most likely tokens at each of ``tokens``' places should be:
-    the model's (transformers, fp32) log_softmax(logits / temperature) after ``prompt``
-    and the tokens before, its ``top`` largest and all of it: ((L, top) values, (L, V))."""
+def check_alternatives(model_dir: Path, prompt: list[int], response: Any, temperature: float,
+                       top: int, tolerance: float) -> None:  # fmt: skip
+    """An engine's ``top`` most likely tokens at each place of ``response`` (a gateway
+    call's ``top_logprobs``: ``Response.alternatives``) are the model's: transformers' fp32
+    log_softmax(logits / temperature) after ``prompt`` and the tokens before, its ``top``
+    largest values, and each rival's own log-prob, within ``tolerance``; the sampled
+    token's, where it is among them, is its log-prob exactly."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt + tokens])
+    tokens = response.tokens
     with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-    every = torch.log_softmax(logits / temperature, dim=-1)
-    return torch.topk(every, top, dim=-1).values, every
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
+    every = torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, dim=-1)
+    values = torch.topk(every, top, dim=-1).values
+    assert sorted(response.alternatives) == list(range(len(tokens)))
+    for i, rivals in response.alternatives.items():
+        ids, lps = [t for t, _ in rivals], torch.tensor([x for _, x in rivals])
+        assert (lps - values[i]).abs().max() < tolerance
+        assert (lps - every[i, ids]).abs().max() < tolerance
+        if tokens[i] in ids:
+            assert abs(lps[ids.index(tokens[i])] - response.log_probs[i]) < 1e-6
 
 
 @pytest.fixture(scope="session")
-def rivals_of() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """``most_likely`` above, for test modules."""
-    return most_likely
+def alternatives_match() -> Callable[..., None]:
+    """``check_alternatives`` above, for test modules."""
+    return check_alternatives
 
 
 @pytest.fixture(scope="session")

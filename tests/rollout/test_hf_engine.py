@@ -70,7 +70,7 @@ def test_rollout_log_probs_match_the_trainers_recomputation(tiny_model_dir, log_
 
 @pytest.mark.parametrize("step_tokens", [0, 2])
 def test_a_calls_top_log_probs_are_the_models_most_likely_tokens_at_each_place(
-    tiny_model_dir, rivals_of, step_tokens
+    tiny_model_dir, alternatives_match, step_tokens
 ):
     """A gateway call's ``top_logprobs`` (``Response.top``), in one ``generate`` call a
     turn or a few tokens a step: each sampled token's rivals are the model's most likely
@@ -87,14 +87,7 @@ def test_a_calls_top_log_probs_are_the_models_most_likely_tokens_at_each_place(
         engine.step()
     assert all(r.alternatives == {} for r in responses[2:])
     for r in responses[:2]:
-        assert sorted(r.alternatives) == list(range(len(r.tokens)))
-        values, every = rivals_of(tiny_model_dir, prompt, r.tokens, 0.7, 3)
-        for i, top in r.alternatives.items():
-            ids, lps = [t for t, _ in top], torch.tensor([x for _, x in top])
-            assert torch.allclose(lps, values[i], atol=1e-5)
-            assert torch.allclose(lps, every[i, ids], atol=1e-5)
-            if r.tokens[i] in ids:
-                assert abs(lps[ids.index(r.tokens[i])] - r.log_probs[i]) < 1e-6
+        alternatives_match(tiny_model_dir, prompt, r, 0.7, 3, 1e-5)
 
 
 def test_loaded_weights_change_the_engine(tiny_model_dir):

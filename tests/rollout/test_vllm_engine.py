@@ -431,7 +431,7 @@ def test_greedy_groups_beside_sampled_ones_match_the_hf_engines_greedy(engine, m
 
 
 def test_a_calls_top_log_probs_are_the_models_most_likely_tokens_at_each_place(
-    engine, model_dir, rivals_of
+    engine, model_dir, alternatives_match
 ):
     """A gateway call's ``top_logprobs`` (``Response.top``) on vLLM: each sampled token's
     rivals are the model's most likely tokens at its place (transformers' fp32, within
@@ -454,14 +454,7 @@ def test_a_calls_top_log_probs_are_the_models_most_likely_tokens_at_each_place(
         engine.step()
     assert all(r.alternatives == {} for r in responses[2:])
     for r in responses[:2]:
-        assert sorted(r.alternatives) == list(range(len(r.tokens)))
-        values, every = rivals_of(model_dir, prompt, r.tokens, 0.7, 3)
-        for i, top in r.alternatives.items():
-            ids, lps = [t for t, _ in top], torch.tensor([x for _, x in top])
-            assert (lps - values[i]).abs().max() < TOLERANCE
-            assert (lps - every[i, ids]).abs().max() < TOLERANCE
-            if r.tokens[i] in ids:
-                assert abs(lps[ids.index(r.tokens[i])] - r.log_probs[i]) < 1e-6
+        alternatives_match(model_dir, prompt, r, 0.7, 3, TOLERANCE)
 
 
 def test_every_rpc_the_rank_calls_is_a_method_of_the_worker():
