@@ -11,8 +11,8 @@ content (the text around the calls) and the calls, in order.
   is the text before it), or the newer ``[TOOL_CALLS]name[ARGS]{...}`` form.
 
 ``opening`` is the text a turn starts with when a call is required (``tool_choice``
-required or named): the gateway puts it at the turn's start, as context, and the model
-writes the rest. ``before_call`` is what of a turn's text so far is surely content, the
+required), ``named(name)`` when that function's call is (a named ``tool_choice``): the
+gateway puts it at the turn's start, as context, and the model writes the rest. ``before_call`` is what of a turn's text so far is surely content, the
 text before where a call could begin (what a streamed answer may send before the turn
 ends). ``auto`` picks the parser from the markers the model's chat template
 writes. A block that cannot be read stays in the content: the agent sees what the model
@@ -35,6 +35,7 @@ class ToolParser:
     parse: Callable[[str], tuple[str, list[ToolCall]]]
     opening: str  # what a required call's turn starts with
     before_call: Callable[[str], str]  # a turn's text so far: what is surely content
+    named: Callable[[str], str]  # what a turn required to call this function starts with
 
 
 def held_before(marker: str) -> Callable[[str], str]:
@@ -137,9 +138,27 @@ def _mistral(text: str) -> tuple[str, list[ToolCall]]:
 
 
 PARSERS = {
-    "hermes": ToolParser("hermes", _hermes, "<tool_call>", held_before("<tool_call>")),
-    "llama3_json": ToolParser("llama3_json", _llama3_json, '{"name": "', _llama3_before_call),
-    "mistral": ToolParser("mistral", _mistral, "[TOOL_CALLS]", held_before("[TOOL_CALLS]")),
+    "hermes": ToolParser(
+        "hermes",
+        _hermes,
+        "<tool_call>",
+        held_before("<tool_call>"),
+        lambda name: f'<tool_call>\n{{"name": "{name}", "arguments": ',
+    ),
+    "llama3_json": ToolParser(
+        "llama3_json",
+        _llama3_json,
+        '{"name": "',
+        _llama3_before_call,
+        lambda name: f'{{"name": "{name}", "parameters": ',
+    ),
+    "mistral": ToolParser(
+        "mistral",
+        _mistral,
+        "[TOOL_CALLS]",
+        held_before("[TOOL_CALLS]"),
+        lambda name: f'[TOOL_CALLS][{{"name": "{name}", "arguments": ',
+    ),
 }
 
 

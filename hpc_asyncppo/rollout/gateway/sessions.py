@@ -513,17 +513,16 @@ class Sessions:
 
     def _opening(self, call: Call) -> list[int]:
         """What the turn starts with when the call requires a tool call (``tool_choice``
-        required, or a function's name): the parser's opening, and the name where the
+        required, or a function's name): the parser's opening, with the name where the
         tokenizer writes that text back exactly; context, never trained."""
         if call.tool_choice in ("auto", "none") or not call.tools:
             return []
-        text = self.parser.opening
-        if call.named and self.parser.name == "hermes":
-            named = f'{text}\n{{"name": "{call.tool_choice}", "arguments": '
+        if call.named:
+            named = self.parser.named(call.tool_choice)
             ids = self.tokenizer(named, add_special_tokens=False)["input_ids"]
             if self.tokenizer.decode(ids) == named:
                 return list(ids)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(self.parser.opening, add_special_tokens=False)["input_ids"])
 
     def _replay(self, s: Session, r: Response, span: tuple[int, int] | None) -> bool:
         """A resumed session's call: if it brought what its recording holds at this point
