@@ -612,3 +612,19 @@ def test_top_logprobs_give_each_tokens_most_likely_rivals(request, fixture):
     tops = r.json()["choices"][0]["logprobs"]["top_logprobs"]
     assert [list(t) for t in tops] == [["said"], ["Observation:"]]
     finish(served, key, [sid, other])
+
+
+def test_a_responses_call_may_include_its_texts_logprobs(served):
+    """``include: ["message.output_text.logprobs"]`` and ``top_logprobs``: the turn's
+    tokens' log-probs on the message's text, each with its most likely rivals."""
+    key = ("responses-logprobs", 3)
+    [sid] = open_one(served, key, 3)
+    body = {"model": "policy", "input": "question tell", "max_output_tokens": 2,
+            "include": ["message.output_text.logprobs"], "top_logprobs": 1}  # fmt: skip
+    response = post(served, f"/sessions/{sid}/v1/responses", body).json()
+    [text] = response["output"][0]["content"]
+    assert text["text"] == "said Observation:"
+    assert [(x["token"], [t["token"] for t in x["top_logprobs"]]) for x in text["logprobs"]] == [
+        ("said", ["said"]), ("Observation:", ["Observation:"])]  # fmt: skip
+    assert [x["logprob"] for x in text["logprobs"]] == response["hpc_asyncppo"]["token_logprobs"]
+    finish(served, key, [sid])

@@ -5,7 +5,9 @@ the model's earlier calls, ``function_call_output`` items as their results; ``re
 items are skipped, the model's reasoning is not part of what a later call repeats),
 ``instructions`` (a system message first), function ``tools`` (flat:
 ``{type: function, name, parameters}``), ``tool_choice``, ``parallel_tool_calls``,
-``max_output_tokens``, ``text.format`` (a constraint not applied, said so), sampling fields
+``max_output_tokens``, ``text.format`` (a constraint not applied, said so), ``include:
+["message.output_text.logprobs"]`` with ``top_logprobs`` (the turn's tokens' log-probs on
+the message's text, as Chat Completions gives them), sampling fields
 as every door takes them (``requests.py``), ``stream``. These become the chat messages and
 fields of a ``Call``, so a stateless SDK that sends the whole input again each time
 extends its session's conversation as a chat client does. ``previous_response_id``: the
@@ -29,6 +31,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
+from hpc_asyncppo.rollout.gateway import openai_chat
 from hpc_asyncppo.rollout.gateway.chat import openai_message
 from hpc_asyncppo.rollout.gateway.requests import Call, Fields, RequestError, function_tool
 from hpc_asyncppo.rollout.gateway.sessions import Result
@@ -76,16 +79,20 @@ class ResponsesDoor:
         if body.get("max_output_tokens") is not None:
             chat["max_tokens"] = body["max_output_tokens"]
         fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+        include = body.get("include")
+        if isinstance(include, list) and "message.output_text.logprobs" in include:
+            chat["logprobs"] = True  # and top_logprobs, as the body has it
         call = self.fields.chat(chat)
         if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
             call.not_applied.append("text.format")
         return call, messages
 
     def body(self, result: Result, model: str, messages: list[dict[str, Any]],
-             request: dict[str, Any], rid: str | None = None,
+             request: dict[str, Any], piece: Any, rid: str | None = None,
              ids: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
         """The ``response`` object; its conversation is kept for previous_response_id.
-        ``rid``, ``ids``: the response's id and its items' (a stream made them first)."""
+        ``piece``: a token id's text; ``rid``, ``ids``: the response's id and its items'
+        (a stream made them first)."""
         rid = rid or new_id("resp")
         with self.lock:
             self.stored[rid] = [*messages, openai_message(result.answer.message)]
@@ -96,7 +103,7 @@ class ResponsesDoor:
         out.update({
             "status": "incomplete" if incomplete else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "output": output_items(result, ids or {}),
+            "output": output_items(result, ids or {}, piece),
             "usage": {
                 "input_tokens": len(result.prompt_ids),
                 "input_tokens_details": {"cached_tokens": 0},
@@ -140,10 +147,13 @@ def exact(result: Result) -> dict[str, Any]:
             **notes}  # fmt: skip
 
 
-def output_items(result: Result, ids: dict[str, str]) -> list[dict[str, Any]]:
+def output_items(result: Result, ids: dict[str, str], piece: Any = None) -> list[dict[str, Any]]:
     """The answer's items: its reasoning, its message (text, or none beside tool calls),
-    a function call per call. ``ids``: those already made for the reasoning and message."""
+    a function call per call. ``ids``: those already made for the reasoning and message.
+    ``piece`` (a token id's text): with ``include: ["message.output_text.logprobs"]``, the
+    turn's tokens' log-probs (and ``top_logprobs``) on the text."""
     a, items = result.answer, []
+    logprobs = (openai_chat.logprobs(result, piece, chat=True) or {}).get("content", [])
     if a.reasoning:
         items.append({"type": "reasoning", "id": ids.get(REASONING) or new_id("rs"),
                       "summary": [], "content": [{"type": "reasoning_text", "text": a.reasoning}]})  # fmt: skip
@@ -151,7 +161,7 @@ def output_items(result: Result, ids: dict[str, str]) -> list[dict[str, Any]]:
         items.append({"type": "message", "id": ids.get(CONTENT) or new_id("msg"),
                       "status": "completed", "role": "assistant",
                       "content": [{"type": "output_text", "text": a.message.get("content") or "",
-                                   "annotations": [], "logprobs": []}]})  # fmt: skip
+                                   "annotations": [], "logprobs": logprobs}]})  # fmt: skip
     for c in a.message.get("tool_calls", []):
         items.append({"type": "function_call", "id": new_id("fc"), "call_id": c["id"],
                       "name": c["name"], "arguments": json.dumps(c["arguments"]),
@@ -169,8 +179,9 @@ class ResponseStream:
     done = False  # the stream ends with its last event
 
     def __init__(self, door: ResponsesDoor, model: str, messages: list[dict[str, Any]],
-                 request: dict[str, Any]):  # fmt: skip
+                 request: dict[str, Any], piece: Any):  # fmt: skip
         self.door, self.model, self.messages, self.request = door, model, messages, request
+        self.piece = piece
         self.rid = new_id("resp")
         self.sent = 0
         self.items: list[tuple[str, str]] = []  # (kind, id) of the items opened
@@ -244,8 +255,8 @@ class ResponseStream:
                ) -> list[tuple[str, dict[str, Any]]]:  # fmt: skip
         out = self.pieces(rest)
         opened = dict(self.items)
-        response = self.door.body(result, self.model, self.messages, self.request, self.rid,
-                                  opened)  # fmt: skip
+        response = self.door.body(result, self.model, self.messages, self.request, self.piece,
+                                  self.rid, opened)  # fmt: skip
         by_id = {item["id"]: item for item in response["output"]}
         if self.open is not None:
             out += self._close(by_id.get(self.items[-1][1]))

@@ -218,13 +218,13 @@ def make_app(sessions: Sessions, token: str, model: str, fields: Fields,
     async def respond(request: Request, session: str | None = None):
         try:
             out = await called(request, session, responses.call, lambda c, kept, b:
-                               openai_responses.ResponseStream(responses, model, kept, b))  # fmt: skip
+                               openai_responses.ResponseStream(responses, model, kept, b, piece))  # fmt: skip
         except RequestError as exc:
             return error(exc)
         if isinstance(out, StreamingResponse):
             return out
         body, messages, result = out
-        return responses.body(result, model, messages, body)
+        return responses.body(result, model, messages, body, piece)
 
     async def messages(request: Request, session: str | None = None):
         try:
