@@ -130,7 +130,7 @@ class Session:
     call: tuple[Call, Future] | None = None  # the call the engine is answering
     retries: list[Future] = field(default_factory=list)  # the same call again, meanwhile
     # a streamed call: told the turn's new tokens after each engine step; how many it has
-    progress: Callable[[Progress], None] | None = None
+    progress: Callable[[list[int]], None] | None = None
     reported: int = 0
     last: tuple[Call, Result] | None = None  # the call answered last (a retry gets it again)
     turn_start: int = 0  # where the model's current turn starts in the response
@@ -400,12 +400,9 @@ class Sessions:
 
     def _report(self, line: Session, r: Response) -> None:
         """A streamed call's turn grew: its new tokens, to its door."""
-        if len(r.tokens) <= line.reported:
-            return
-        context = self._context(line) + r.tokens[: line.turn_start]
-        line.progress(Progress(r.tokens[line.reported :], len(context),
-                               opened_thinking(self.tokenizer, context)))  # fmt: skip
-        line.reported = len(r.tokens)
+        if len(r.tokens) > line.reported:
+            line.progress(r.tokens[line.reported :])
+            line.reported = len(r.tokens)
 
     def _context(self, s: Session) -> list[int]:
         """The prompt of the line's current sequence."""
@@ -438,8 +435,12 @@ class Sessions:
             self._answer_empty(engine, line, call, future)
             return
         line.call = (call, future)
-        line.turn_start = len(r.tokens)
-        line.progress, line.reported = progress, len(r.tokens)
+        line.turn_start = line.reported = len(r.tokens)
+        line.progress = None
+        if progress is not None:  # what the turn follows is fixed for the whole turn
+            context = self._context(line) + r.tokens
+            size, thinking = len(context), opened_thinking(self.tokenizer, context)
+            line.progress = lambda tokens: progress(Progress(tokens, size, thinking))
         opening = self._opening(call)
         if opening and not r.finished:
             self._observe(r, opening)
