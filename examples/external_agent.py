@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -31,7 +32,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import openai
+
+# the client's response types built at import: built at first use, this agent's threads
+# race on it and a call fails with pydantic's "BaseModel cannot be instantiated directly"
+os.environ.setdefault("DEFER_PYDANTIC_BUILD", "false")
+import openai  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.lookup_agent import run as lookup  # noqa: E402

@@ -42,6 +42,10 @@ def main(argv: list[str]) -> int:
     startup.pause_collection()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # the openai client's response types are built at import, not at first use: built
+    # lazily, data.agent's threads race on it and a call fails with pydantic's
+    # "BaseModel cannot be instantiated directly" (openai reads this when imported)
+    os.environ.setdefault("DEFER_PYDANTIC_BUILD", "false")
     from mpi4py import MPI
 
     from hpc_asyncppo.launch.rundir import write_rank_error, write_rank_info

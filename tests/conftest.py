@@ -38,6 +38,10 @@ from typing import Any, NoReturn
 import numpy as np
 import pytest
 import torch
+
+# as a rank does (rank.py): the openai client's types built at import, not raced on by
+# the agent threads of the tests that serve a gateway in this process
+os.environ.setdefault("DEFER_PYDANTIC_BUILD", "false")
 import torch.distributed as dist
 
 from hpc_asyncppo.config import DataConfig, TinyModelConfig
