@@ -42,9 +42,9 @@ def test_check_runs_on_the_cpu(name: str, work: Path) -> None:
 @pytest.mark.mpi
 def test_job_checks_run_on_the_cpu(work: Path) -> None:
     """A short default job (too short to learn) through both job checks."""
-    detail = gpu_check.check_default_job_learns(CPU, work, steps=20, min_reward=None)
+    detail = gpu_check.check_default_job_learns(CPU, work, steps=8, min_reward=None)
     assert "trainer on cpu" in detail
-    assert "through host memory" in gpu_check.check_weight_sync_via_host(CPU, work, steps=20)
+    assert "through host memory" in gpu_check.check_weight_sync_via_host(CPU, work, steps=8)
 
 
 def test_check_failure_is_one_line_and_counted(work: Path, capsys, monkeypatch) -> None:

@@ -17,11 +17,11 @@ _reward = NextDigitTask.reward
 
 
 def raise_on_rank1(prompt, response_text: str) -> float:
-    """The default reward, except that world rank 1 raises after 200 calls."""
+    """The default reward, except that world rank 1 raises after 64 calls (8 groups)."""
     global _calls
     if os.environ.get("OMPI_COMM_WORLD_RANK") == "1":
         _calls += 1
-        if _calls > 200:
+        if _calls > 64:
             raise RuntimeError("injected failure in the reward function")
     return _reward(None, prompt, response_text)
 

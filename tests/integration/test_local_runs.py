@@ -128,7 +128,7 @@ def test_dynamic_sampling_drops_flat_groups_refills_the_batch_and_the_audit_bala
 
 
 def test_a_failing_rank_is_restarted_once_then_stopped_as_a_crash_loop(tmp_path):
-    """Rollout rank 1's reward function fails after 200 calls, before the first checkpoint:
+    """Rollout rank 1's reward function fails after 64 calls, before the first checkpoint:
     the launcher restarts the job, which fails the same way with no checkpoint between, so
     it stops (not after trainer.max_restarts) and names the failure and the loop."""
     run_dir = tmp_path / "run"

@@ -128,10 +128,10 @@ def test_one_mpi_world_across_both_partitions(shared_dir: Path) -> None:
     assert {p["slurm_job_id"] for p in placements} == {job.job_id}
 
 
-# Steps of the tiny run: enough to see it learn. The same ranks under mpirun (2 rollout, 1
-# trainer) over seeds 1-5 at 100 steps: the last 20 steps' mean reward above the first 20's
-# by 0.071, 0.077, 0.084, 0.077, 0.084 (the bar below is 0.05).
-TINY_RUN_STEPS = 100
+# Steps of the tiny run: two syncs past the first. That it learns is the ranks' doing, the
+# same under Slurm as under mpirun (tests/integration/test_validation_runs.py); these ranks'
+# learning over five seeds: BENCHMARKS.md "The Slurm tiny run's learning at 100 steps".
+TINY_RUN_STEPS = 12
 
 
 def test_tiny_run_completes_with_ranks_on_their_partitions(shared_dir: Path) -> None:
@@ -156,9 +156,6 @@ def test_tiny_run_completes_with_ranks_on_their_partitions(shared_dir: Path) -> 
         ("trainer", "n2", "train", "done"),
     ]
     assert [r["gpus"] for r in ranks] == [[], [], []]  # no GPUs requested: CPU ranks, unbound
-    # It learns, as in local mode: the reward rises over the run.
-    rewards = [r["reward/mean"] for r in rows]
-    assert sum(rewards[-20:]) / 20 > sum(rewards[:20]) / 20 + 0.05, rewards
     # Both components' output lands in the run directory, labelled by rank.
     job_id = (run_dir / "slurm" / "job_id").read_text().strip()
     assert (run_dir / "slurm" / f"{job_id}_0_log.out").exists()
