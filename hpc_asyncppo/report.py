@@ -59,6 +59,7 @@ class Summary:
     checkpoint: Checkpoint | None
     errors: list[RankError] = field(default_factory=list)
     validation: list[dict] = field(default_factory=list)  # every validation row, step order
+    collapse: list[str] = field(default_factory=list)  # the collapse signs named, step order
 
 
 @dataclass
@@ -200,6 +201,7 @@ def summarize(data: RunData) -> Summary:
         checkpoint=st.checkpoint,
         errors=st.errors,
         validation=st.validation,
+        collapse=[r["collapse/line"] for r in rows if "collapse/line" in r],
     )
 
 
@@ -237,6 +239,8 @@ def format_summary(s: Summary, run_dir: Path) -> str:
         if last is not first:
             lines.append(f"              -> {format_validation(last)}")
         lines.append(f"              {len(s.validation)} validations")
+    for line in s.collapse:  # trainer/collapse.py
+        lines.append(f"  warning     {line}")
     if s.checkpoint is not None:
         lines.append(f"  checkpoint  {s.checkpoint.path.name}")
     lines += goodput_lines(run_dir, indent="  ")  # the timeline of attempts

@@ -364,6 +364,20 @@ class TrainerConfig:
     # held) is named and the attempt ended (then restarted); 0: not watched.
     # runtime/heartbeat.py
     stall_timeout_s: float = 300.0
+    # Collapse signs (trainer/collapse.py), each judged on the mean of the last
+    # collapse_window steps (0: not watched) and named once in the progress output, the
+    # log and the report: the reward down from its own peak by more than
+    # collapse_reward_drop; entropy under collapse_entropy (nats per token) while the
+    # reward stays that far below the best group's; a rollout-to-trainer KL over
+    # collapse_kl or a masked share of importance weights over collapse_masked_fraction; a
+    # NaN or infinite loss at once. stop_on_collapse: end the attempt with the line (the
+    # launcher does not restart it)
+    collapse_window: int = 20
+    collapse_reward_drop: float = 0.25
+    collapse_entropy: float = 0.05
+    collapse_kl: float = 1.0
+    collapse_masked_fraction: float = 0.5
+    stop_on_collapse: bool = False
 
 
 @dataclass

@@ -7,8 +7,9 @@ exactly-once audit holds across the attempts as it does across preemptions. Not 
 
 - the input: a failure whose error is the config's, the data's, the GPU layout's, a
   checkpoint's (of another model, unreadable), user code that does not import, or an
-  agent that fails every session (``AgentError``). The same
-  input fails the same way; the user must change it.
+  agent that fails every session (``AgentError``), a run stopped on a collapse sign
+  (``CollapseError``, ``trainer.stop_on_collapse``). The same input fails the same way;
+  the user must change it.
 - a full disk or quota: it does not free itself in a back-off, and a retry would only
   lose the checkpoint the next stop writes.
 - a crash loop: the same failure as the attempt before (a failed rank's line in common),
@@ -39,7 +40,7 @@ from hpc_asyncppo.runlog import read_jsonl
 # Exception types, as a failed rank records them, that say the input is wrong
 INPUT_ERRORS = frozenset({
     "ConfigError", "DatasetError", "GpuLayoutError", "CheckpointError", "ImportError",
-    "ModuleNotFoundError", "SyntaxError", "AgentError",
+    "ModuleNotFoundError", "SyntaxError", "AgentError", "CollapseError",
 })  # fmt: skip
 DISK_FULL = ("No space left on device", "Disk quota exceeded")
 

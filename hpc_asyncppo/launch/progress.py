@@ -4,7 +4,9 @@ On a terminal: a progress bar over the steps with reward, throughput, staleness,
 depth and who waits. Otherwise (batch logs, pipes): a plain line every tenth of the run,
 so logs stay readable. A resumed run's earlier rows set the starting point silently.
 Validation rows (``val/`` keys, logged when the rollout ranks' results are in) get a line of
-their own in the plain display, and the latest one sits beside the bar on a terminal.
+their own in the plain display, and the latest one sits beside the bar on a terminal. A
+collapse sign the trainer named at a step (``trainer/collapse.py``) gets a line of its own
+in both.
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ class PlainLines:
     def validation(self, row: dict) -> None:
         print(f"validation {format_validation(row)}", file=self.stream, flush=True)
 
+    def warn(self, line: str) -> None:
+        print(f"warning: {line}", file=self.stream, flush=True)
+
     def close(self) -> None:
         pass
 
@@ -112,6 +117,9 @@ class Silent:
         pass
 
     def validation(self, row: dict) -> None:
+        pass
+
+    def warn(self, line: str) -> None:
         pass
 
     def close(self) -> None:
@@ -144,6 +152,9 @@ class Bar:
 
     def validation(self, row: dict) -> None:
         self.val = "  val " + format_validation(row).split("  at step")[0]
+
+    def warn(self, line: str) -> None:
+        self.bar.write(f"warning: {line}")
 
     def close(self) -> None:
         self.bar.close()
@@ -182,6 +193,8 @@ def follow(
                     display.validation(row)
                     continue
                 display.update(row)
+                if "collapse/line" in row:
+                    display.warn(row["collapse/line"])
                 last = row
             if not running:
                 break

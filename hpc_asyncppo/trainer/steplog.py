@@ -6,7 +6,9 @@ step.
 ``dropped_samples.jsonl``) and what the rollout ranks last said of themselves: each group
 carries its sender's idle time, regenerated tokens, last sync pause and engine restarts, read as it
 arrives (``note_rollout``). The sample counts it keeps are the leader's ``Progress``,
-which checkpoints them. Memory: a few numbers per rollout rank.
+which checkpoints them. Each step's row also goes through the run's collapse watch
+(``collapse.py``), which names a sign of a run going wrong in it. Memory: a few numbers per
+rollout rank, and the watch's window of a few metrics.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import numpy as np
 from hpc_asyncppo import runlog
 from hpc_asyncppo.config import Config
 from hpc_asyncppo.loss_mask import observation_spans
-from hpc_asyncppo.paths import DROPPED, TRAINED
+from hpc_asyncppo.paths import DROPPED, METRICS, TRAINED
+from hpc_asyncppo.trainer.collapse import CollapseWatch
 from hpc_asyncppo.trainer.intake import Batch, staleness_of
 from hpc_asyncppo.trainer.progress import Progress
 from hpc_asyncppo.trainer.trackers import Trackers
@@ -38,6 +41,8 @@ class StepLog:
         self.sync_pause: dict[int, float] = {}  # per rank, its engine's last pause
         self.engine_restarts: dict[int, tuple[int, float]] = {}  # per rank: count, seconds
         self.tools: dict[int, dict[str, float]] = {}  # multi-turn, per rank: its tool counts
+        self.collapse = CollapseWatch(cfg.trainer)  # goes on from the steps logged before
+        self.collapse.history(runlog.split_metrics(runlog.read_jsonl(run_dir / METRICS))[0])
 
     def note_rollout(self, group: SampleGroup) -> None:
         """A group arrived: what its rollout rank says of itself."""
@@ -82,10 +87,11 @@ class StepLog:
 
     def trained(
         self, batch: Batch, rewards: np.ndarray, stats: dict[str, float], leader: dict[str, float]
-    ) -> None:
+    ) -> str | None:
         """The step just trained on ``batch``: its samples, and its metrics row with the
         update's ``stats`` and the ``leader``'s own numbers (queue, sync, memory).
-        ``rewards``: (G, n) what was trained on (the task's reward is in each group)."""
+        ``rewards``: (G, n) what was trained on (the task's reward is in each group).
+        The line of a collapse sign this step first showed, else None."""
         progress = self.progress
         rows = [self.sample_row(g, j, progress.step) for g in batch.groups for j in range(g.rows)]
         self.trained_log.write(rows)
@@ -116,7 +122,9 @@ class StepLog:
             **batch_metrics(batch.groups, rewards, self.cfg.rollout.response_length),
             **stats,
         }
+        line = self.collapse.observe(row)
         self.metrics.write([row])
+        return line
 
     def recipe_metrics(self, batch: Batch, rewards: np.ndarray) -> dict:
         """Dynamic sampling's and the overlong penalty's numbers for this step, when on."""
@@ -184,10 +192,12 @@ class StepLog:
 
 def batch_metrics(groups: list[SampleGroup], rewards: np.ndarray, max_length: int) -> dict:
     """What the step trained on: the share of groups whose trained rewards (G, n) are all
-    equal (no GRPO signal), and the responses' mean length and share cut at max_length."""
+    equal (no GRPO signal), the best group's mean reward, and the responses' mean length
+    and share cut at max_length."""
     lengths = np.concatenate([g.response_lengths for g in groups]).astype(np.float64)
     return {
         "batch/zero_variance_groups": float(np.mean(np.ptp(rewards, axis=1) == 0)),
+        "reward/best_group": float(rewards.mean(axis=1).max()),
         "response_length/mean": float(lengths.mean()),
         "response_length/clip_ratio": float(np.mean(lengths >= max_length)),
     }

@@ -46,6 +46,7 @@ from hpc_asyncppo.tasks.overlong import usable_prompts
 from hpc_asyncppo.timeline import Timeline
 from hpc_asyncppo.trainer import advantages
 from hpc_asyncppo.trainer.batch import collate, shard_rows, to_tensors
+from hpc_asyncppo.trainer.collapse import CollapseError
 from hpc_asyncppo.trainer.followers import Followers, Order, run_follower
 from hpc_asyncppo.trainer.intake import Batch, Intake
 from hpc_asyncppo.trainer.policy import Policy, peak_memory_mb, ppo_update, trainer_states
@@ -212,7 +213,11 @@ class TrainerLeader:
             "memory/trainer_state_mb": self.policy.state_bytes() / 2**20,
             "memory/trainer_peak_mb": peak_memory_mb(self.topo.device),
         }
-        self.steplog.trained(batch, rewards, stats, leader)
+        collapsed = self.steplog.trained(batch, rewards, stats, leader)
+        if collapsed:
+            log.warning("%s", collapsed)
+            if self.cfg.trainer.stop_on_collapse:  # not restarted: launch/job_restarts.py
+                raise CollapseError(f"{collapsed} (trainer.stop_on_collapse=true)")
         self.timeline.record(
             "train", train_start, time.time(), step=self.step, phases=self.policy.phase_seconds
         )

@@ -235,3 +235,35 @@ def test_killed_and_stopped_ranks_restart_the_job_which_trains_every_sample_once
     # everything this run had trained is still accounted for
     trained = read_jsonl(run_dir / "trained_samples.jsonl")
     assert len({r["uid"] for r in trained}) == len(trained)
+
+
+def test_a_run_driven_into_collapse_says_so_and_stop_on_collapse_ends_it_unrestarted(
+    tmp_path, capsys
+):
+    """An absurd learning rate (0.5) wrecks the policy within a few steps: the collapse
+    watch (``trainer/collapse.py``, a 5-step window here) names what it sees in the
+    progress output and the report and, with trainer.stop_on_collapse, the attempt ends
+    with that line, which the launcher does not restart (the same run would collapse
+    again). A healthy run never names one: the default job at
+    tests/integration/test_validation_runs.py."""
+    from hpc_asyncppo import report
+
+    run_dir = tmp_path / "run"
+    proc = Run.start(run_dir, "actor.lr=0.5", "trainer.collapse_window=5",
+                     "trainer.stop_on_collapse=true", "trainer.total_steps=100").finish()  # fmt: skip
+    assert proc.returncode != 0
+    warned = [line for line in proc.stdout.splitlines() if line.startswith("warning: collapse")]
+    assert warned, proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "not restarted" in errors[0], proc.stderr
+    [named] = [line for line in proc.stderr.splitlines() if "CollapseError: collapse" in line]
+    assert named.strip().startswith("rank 1 (trainer") and "stop_on_collapse=true" in named
+    assert warned[0].removeprefix("warning: ") in named  # the first sign ended it
+    assert "Traceback" not in proc.stderr
+    attempts = read_jsonl(run_dir / "goodput.jsonl")
+    assert [a["reason"] for a in attempts] == ["failed"], attempts  # not restarted
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(metrics) < 100 and metrics[-1]["collapse/signs"] >= 1
+    capsys.readouterr()
+    report.main([str(run_dir)])
+    assert warned[0].removeprefix("warning: ") in capsys.readouterr().out

@@ -61,6 +61,8 @@ def test_the_default_job_learns(validated_run):
     last = vals[-1]["val/reward/mean"]
     assert vals[-1]["step"] == STEPS and last >= LEARNED_REWARD, f"greedy validation {last:.3f}"
     check_audit(run_dir, sync_every=SYNC_EVERY, max_staleness=4)
+    # a run that learns shows no sign of collapse (trainer/collapse.py, default bounds)
+    assert [m["collapse/signs"] for m in steps] == [0] * STEPS
 
 
 def test_validation_at_every_test_freq_steps_shows_the_learning(validated_run):
