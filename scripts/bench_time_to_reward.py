@@ -13,6 +13,16 @@ spread and worst seed and, with ``--greedy-val``, the greedy validation reward a
 on the task's held-out prompts (``held_out_prompts`` of ``next_digit``, as the learning
 tests, or of ``long_tail``).
 
+As a seed sweep it says of every run whether it reached the target and whether it *held*
+it (the mean reward of the last 10% of its steps at or above the target less
+``--hold-margin``), and which collapse signs the trainer named (``trainer/collapse.py``: a
+healthy run names none); per mode, how many seeds reached and held it and the median time
+to the target. ``--keep DIR`` keeps every run directory (DIR/MODE-SEED) for reading
+afterwards (``python -m hpc_asyncppo.report DIR/MODE-SEED``).
+
+    python scripts/bench_time_to_reward.py --no-sync --steps 700 --seeds 1 2 3 4 5 6 7 8 9 10 \
+        --keep /var/tmp/sweep async_training.staleness_threshold=1.0   # every seed learns?
+
     python scripts/bench_time_to_reward.py                          # sync vs fully_async, seeds 1 2
     python scripts/bench_time_to_reward.py --no-sync --greedy-val --seeds 1 2 3 4 5 \
         --mode "lr5e-4=actor.lr=5e-4"                                # defaults: learning over seeds
@@ -59,7 +69,7 @@ def run(overrides: list[str], steps: int, seed: int, run_dir: Path) -> dict:
     return {"launched": launched, "rows": steps, "vals": vals}
 
 
-def measure(result: dict, window: int, target: float) -> dict:
+def measure(result: dict, window: int, target: float, hold_margin: float = 0.05) -> dict:
     rows = result["rows"]
     reached = None
     for i in range(window - 1, len(rows)):
@@ -67,7 +77,11 @@ def measure(result: dict, window: int, target: float) -> dict:
             reached = rows[i]
             break
     last, first = rows[-1], rows[0]
+    tail = statistics.fmean(r["reward/mean"] for r in rows[-max(1, len(rows) // 10) :])
     return {
+        "last10": tail,  # the mean reward of the last 10% of the steps
+        "held": reached is not None and tail >= target - hold_margin,
+        "collapse": [r["collapse/line"] for r in rows if "collapse/line" in r],
         "startup_s": first["time/unix"] - first["time/elapsed_s"] - result["launched"],
         "step": reached["step"] if reached else None,
         "from_launch_s": reached["time/unix"] - result["launched"] if reached else None,
@@ -100,6 +114,13 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--target", type=float, default=LEARNED_REWARD)
     parser.add_argument(
+        "--hold-margin",
+        type=float,
+        default=0.05,
+        help="held: the last 10%% of the steps' mean reward at least the target less this",
+    )
+    parser.add_argument("--keep", type=Path, help="keep each run's directory in KEEP/MODE-SEED")
+    parser.add_argument(
         "--mode",
         action="append",
         default=[],
@@ -124,6 +145,7 @@ def main() -> None:
         modes[name] = rest.split()
     results: dict[str, list[dict]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
+        runs = args.keep or Path(tmp)
         if args.greedy_val:
             task = [o.partition("=")[2] for o in args.overrides if o.startswith("data.task=")]
             held_out = HELD_OUT.get(task[-1] if task else "next_digit")
@@ -142,11 +164,13 @@ def main() -> None:
                         [*args.overrides, *modes[name]],
                         args.steps,
                         seed,
-                        Path(tmp) / f"{name}-{seed}",
+                        runs / f"{name}-{seed}",
                     ),
                     args.window,
                     args.target,
+                    args.hold_margin,
                 )
+                out["seed"] = seed
                 results[name].append(out)
                 print(
                     f"{name:14s} seed {seed}: reward {args.target} (rolling {args.window}) at step "
@@ -156,7 +180,9 @@ def main() -> None:
                     f"samples/s, idle trainer {out['trainer_idle']:.2f} rollout "
                     f"{out['rollout_idle']:.2f}, staleness {out['staleness']:.2f}, final reward "
                     f"{out['final_reward']:.3f}, greedy validation {fmt(out['greedy_val'], '.3f')}"
-                    f", trainer {out['trainer_tokens_per_s']:.0f} tokens/s",
+                    f", trainer {out['trainer_tokens_per_s']:.0f} tokens/s; last 10% "
+                    f"{out['last10']:.3f} ({'held' if out['held'] else 'not held'}), "
+                    f"{len(out['collapse'])} collapse signs",
                     flush=True,
                 )
     base_mode = "sync" if "sync" in results else next(iter(results))  # the ratios' base
@@ -217,6 +243,28 @@ def main() -> None:
             f"{name:14s} {reached:>5s}  {at:>15s}  {statistics.fmean(finals):.3f} +- {spread:.3f}"
             f" {min(finals):.3f}  {greedy}"
         )
+    print_sweep(results, args.target, args.hold_margin)
+
+
+def print_sweep(results: dict[str, list[dict]], target: float, margin: float) -> None:
+    """Per mode and seed: reached the target (step, seconds from the first sync), held it,
+    the last 10% of the steps' mean, the collapse signs named; then per mode the counts and
+    the median time to the target over the seeds that reached it."""
+    print(f"seed sweep: reached {target}, held it (last 10% of the steps >= {target - margin:.2f})"
+          ", collapse signs named")  # fmt: skip
+    print("mode            seed  reached at (s from sync)  last 10%  held  collapse signs")
+    for name, rs in results.items():
+        for r in rs:
+            at = f"{r['step']} ({r['from_sync_s']:.0f} s)" if r["step"] else "never"
+            signs = "; ".join(line.split(": ", 1)[1][:60] for line in r["collapse"]) or "-"
+            print(f"{name:14s} {r['seed']:5d}  {at:>24s}  {r['last10']:8.3f}  "
+                  f"{'yes' if r['held'] else 'no':>4s}  {signs}")  # fmt: skip
+    for name, rs in results.items():
+        times = [r["from_sync_s"] for r in rs if r["step"]]
+        median_s = f"{statistics.median(times):.0f} s" if times else "-"
+        print(f"{name:14s} reached {sum(bool(r['step']) for r in rs)}/{len(rs)}, held "
+              f"{sum(r['held'] for r in rs)}/{len(rs)}, median time to {target} from the first "
+              f"sync {median_s}, collapse signs on {sum(bool(r['collapse']) for r in rs)} runs")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -18,10 +18,13 @@ from tests.harness import SMALL, SMALL_AUDITED, Run, check_audit, check_weights_
 pytestmark = pytest.mark.mpi
 
 
-# One rollout rank beside a sharded trainer, and several of each. One trainer rank is
-# test_sync_mode_is_on_policy's (the same audit and weight checks); (1, 1) and (2, 2) ran
-# here too and checked nothing these do not (each launch costs ~10 s of rank start-up).
-@pytest.mark.parametrize(("rollout_ranks", "train_ranks"), [(1, 2), (3, 2)])
+# Several rollout ranks beside a sharded trainer. One trainer rank is
+# test_sync_mode_is_on_policy's (the same audit and weight checks); one rollout rank beside
+# two trainer ranks is test_killed_and_stopped_ranks_restart_the_job_which_trains_every_
+# sample_once's (the audit) and test_sharded_training.py's; its weight digests at every
+# version, test_vllm_runs.py's stop-and-restart run's. (1, 1), (1, 2) and (2, 2) ran here
+# too and checked nothing these do not (each launch costs ~10 s of rank start-up).
+@pytest.mark.parametrize(("rollout_ranks", "train_ranks"), [(3, 2)])
 def test_topology_trains_syncs_and_stays_within_staleness(tmp_path, rollout_ranks, train_ranks):
     run_dir = tmp_path / "run"
     proc = Run.start(
