@@ -375,7 +375,7 @@ class TrainerConfig:
     collapse_window: int = 20
     collapse_reward_drop: float = 0.25
     collapse_entropy: float = 0.05
-    collapse_kl: float = 1.0
+    collapse_kl: float = 2.0
     collapse_masked_fraction: float = 0.5
     stop_on_collapse: bool = False
 

@@ -71,10 +71,10 @@ def test_entropy_near_zero_while_the_reward_stays_low_is_named():
 
 
 def test_samples_far_off_the_policy_are_named_by_kl_or_by_the_masked_share():
-    kl = [0.01] * 6 + [3.0] * 6  # windows: 0.608 at step 7, 1.206 at step 8
+    kl = [0.01] * 6 + [3.0] * 6  # windows: 0.608 at step 7, then 1.206, 1.804, 2.402
     lines = watch_lines(watch(), rows([0.3] * 12, rollout_corr__k3_kl=kl))
-    assert [s for s, _ in lines] == [8], lines
-    assert "rollout-to-trainer KL is 1.206 (steps 4-8)" in lines[0][1]
+    assert [s for s, _ in lines] == [10], lines
+    assert "rollout-to-trainer KL is 2.402 (steps 6-10)" in lines[0][1]
     masked = [0.0] * 6 + [0.9] * 6  # windows: 0.18, 0.36, 0.54 at step 9
     lines = watch_lines(watch(), rows([0.3] * 12, rollout_corr__is_masked_fraction=masked))
     assert [s for s, _ in lines] == [9], lines
