@@ -191,7 +191,7 @@ def main() -> None:
           f"reward  ratio to {base_mode} (launch, sync)")  # fmt: skip
     base = {k: median([r[k] for r in results[base_mode]]) for k in ("from_launch_s", "from_sync_s")}
     for name, rs in results.items():
-        m = {k: median([r[k] for r in rs]) for k in rs[0]}
+        m = {k: median([r[k] for r in rs]) for k in rs[0] if k not in ("collapse", "held")}
         ratios = [
             base[k] / m[k] if base[k] is not None and m[k] else None
             for k in ("from_launch_s", "from_sync_s")
