@@ -56,17 +56,18 @@ class CollapseWatch:
         self.peak_steps = (0, 0)
         self.best_group = -math.inf  # the best mean reward of any step's best group
         self.named: set[str] = set()  # signs named in this attempt
-        self.steps = 0
 
     def history(self, rows: Iterable[dict]) -> None:
         """The run's rows before this attempt (a resume): the peak and the window go on
         from them; signs are named anew."""
+        if self.window <= 0:
+            return
         for row in rows:
             self._add(row)
 
     def observe(self, row: dict) -> str | None:
-        """The step's metrics row: the line of a sign first shown at this step (several:
-        the first), else None. Adds ``collapse/signs`` (and ``collapse/line``) to ``row``."""
+        """The step's metrics row: the line of the signs first shown at this step (several:
+        joined by "; "), else None. Adds ``collapse/signs`` (and ``collapse/line``) to ``row``."""
         if self.window <= 0:
             return None
         self._add(row)
@@ -83,10 +84,9 @@ class CollapseWatch:
 
     # --- the signs ----------------------------------------------------------------------
     def _add(self, row: dict) -> None:
-        self.steps += 1
         for key in ("reward/mean", "actor/entropy", "rollout_corr/k3_kl", *MASKED):
             if key in row and _finite(row[key]):
-                self.recent.setdefault(key, deque(maxlen=max(self.window, 1))).append(row[key])
+                self.recent.setdefault(key, deque(maxlen=self.window)).append(row[key])
         if "reward/best_group" in row and _finite(row["reward/best_group"]):
             self.best_group = max(self.best_group, row["reward/best_group"])
         reward = self.recent.get("reward/mean")

@@ -42,7 +42,8 @@ class StepLog:
         self.engine_restarts: dict[int, tuple[int, float]] = {}  # per rank: count, seconds
         self.tools: dict[int, dict[str, float]] = {}  # multi-turn, per rank: its tool counts
         self.collapse = CollapseWatch(cfg.trainer)  # goes on from the steps logged before
-        self.collapse.history(runlog.split_metrics(runlog.read_jsonl(run_dir / METRICS))[0])
+        if self.collapse.window > 0:
+            self.collapse.history(runlog.split_metrics(runlog.read_jsonl(run_dir / METRICS))[0])
 
     def note_rollout(self, group: SampleGroup) -> None:
         """A group arrived: what its rollout rank says of itself."""
